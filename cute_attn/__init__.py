@@ -1,0 +1,14 @@
+"""cute_attn: exact FlashAttention for PyTorch, written in the CUTLASS Python DSL (CuTe DSL).
+
+    import cute_attn
+    out = cute_attn.forward(q, k, v, causal=True)            # (batch, seqlen, heads, head_dim)
+    out, lse = cute_attn.forward(q, k, v, return_lse=True)
+    out = cute_attn.flash_attn_func(q, k, v, causal=True); out.sum().backward()
+"""
+
+from cute_attn.dispatch import force_arch
+from cute_attn.interface import backward, flash_attn_func, forward
+from cute_attn.reference import attention_reference
+
+__version__ = "0.1.0"
+__all__ = ["forward", "backward", "flash_attn_func", "force_arch", "attention_reference", "__version__"]

@@ -1,0 +1,383 @@
+"""Compile keys, the compiled-kernel caches, and variant enumeration for the tools.
+
+A compiled kernel depends only on its key (kernel family, GPU target, dtype, padded head dim,
+causal, whether the head dim is padded, traits). Batch, sequence lengths, heads, strides and
+pointers are run-time values, so a new shape never recompiles.
+
+Kernels are compiled from fake tensors (no GPU needed) with the TVM-FFI calling convention: the
+compiled function takes torch tensors directly (zero-copy, via DLPack) and launches on torch's
+current CUDA stream. Caches:
+- in memory, per process, safe to use from several threads (one compile per key);
+- on disk when ``CUTE_ATTN_CACHE_DIR`` is set: exported objects, loaded instead of recompiled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from cute_attn.traits import (
+    BackwardTraits,
+    ForwardTraits,
+    padded_head_dim,
+    sm80_backward_traits,
+    sm80_forward_traits,
+)
+
+DTYPES = ("bf16", "fp16")
+# GPU targets the tools and tests compile for without a GPU
+TARGETS = ("sm_80", "sm_90a")
+
+
+@dataclass(frozen=True)
+class ForwardKey:
+    kernel: str  # kernel family: "sm80"
+    target: str  # code-generation target: "sm_80", "sm_86", "sm_90a", ...
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int  # padded head dim
+    causal: bool
+    check_hdim: bool  # actual head dim < padded head dim
+    # candidate traits in order of preference: the first that compiles without local memory wins
+    candidates: tuple[ForwardTraits, ...] = field(compare=True)
+
+    @property
+    def name(self) -> str:
+        return (
+            f"fwd_{self.kernel}_{self.target}_{self.dtype}_d{self.head_dim}"
+            f"{'_causal' if self.causal else ''}{'_padded' if self.check_hdim else ''}"
+            f"_{self.candidates[0].spec}{'+' if len(self.candidates) > 1 else ''}"
+        )
+
+
+def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capacity: int | None = None,
+                traits: ForwardTraits | None = None) -> ForwardKey:
+    padded = padded_head_dim(head_dim)
+    candidates = (traits,) if traits is not None else sm80_forward_traits(head_dim, causal, smem_capacity)
+    return ForwardKey("sm80", target, dtype, padded, bool(causal), head_dim != padded, candidates)
+
+
+@dataclass(frozen=True)
+class BackwardKey:
+    """The main backward kernel. Its pre/postprocess kernels have ``RowKernelKey``s."""
+
+    kernel: str
+    target: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    check_hdim: bool
+    deterministic: bool
+    traits: BackwardTraits
+
+    @property
+    def name(self) -> str:
+        t = self.traits
+        return (
+            f"bwd_{self.kernel}_{self.target}_{self.dtype}_d{self.head_dim}"
+            f"{'_causal' if self.causal else ''}{'_padded' if self.check_hdim else ''}"
+            f"{'_det' if self.deterministic else ''}_m{t.tile_m}n{t.tile_n}w{t.num_warps}"
+        )
+
+
+@dataclass(frozen=True)
+class RowKernelKey:
+    """Backward preprocess ("bwd_pre") or postprocess ("bwd_post")."""
+
+    kind: str
+    target: str
+    dtype: str
+    head_dim: int
+    check_hdim: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_{self.target}_{self.dtype}_d{self.head_dim}{'_padded' if self.check_hdim else ''}"
+
+
+def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, deterministic: bool,
+                  traits: BackwardTraits | None = None):
+    """(preprocess, main, postprocess) keys of one backward variant."""
+    padded = padded_head_dim(head_dim)
+    check = head_dim != padded
+    main = BackwardKey("sm80", target, dtype, padded, bool(causal), check, bool(deterministic),
+                       traits or sm80_backward_traits(head_dim))
+    return (RowKernelKey("bwd_pre", target, dtype, padded, check), main,
+            RowKernelKey("bwd_post", target, dtype, padded, check))
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[name]
+
+
+def _fake_attention_tensors(dtype):
+    """Fake (batch, seqlen, heads, head_dim) tensors with symbolic shapes and strides: the last dim
+    is contiguous and every other stride a multiple of 8 elements (16 bytes), as validated."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    sym = cute.sym_int
+    batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim = (sym() for _ in range(6))
+
+    def bshd(seqlen, nheads):
+        stride = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
+        return make_fake_tensor(dtype, (batch, seqlen, nheads, head_dim), stride=stride, assumed_align=16)
+
+    q, o = bshd(seqlen_q, heads), bshd(seqlen_q, heads)
+    k, v = bshd(seqlen_k, heads_kv), bshd(seqlen_k, heads_kv)
+    lse = make_fake_tensor(
+        cutlass.Float32, (batch, heads, seqlen_q), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+    )
+    return q, k, v, o, lse
+
+
+def _fake_backward_tensors(dtype, head_dim_padded: int):
+    """q, k, v, o, do, dq, dk, dv (batch, seqlen, heads, head_dim), lse (batch, heads, seqlen_q), the
+    padded fp32 row buffers lse_log2 and D (batch, heads, seqlen_q_padded), the fp32 dQ accumulator
+    (batch, heads, seqlen_q_padded, head_dim_padded) and the int32 semaphores."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    sym = cute.sym_int
+    batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, seqlen_q_pad, m_blocks = (sym() for _ in range(8))
+
+    def bshd(seqlen, nheads):
+        stride = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
+        return make_fake_tensor(dtype, (batch, seqlen, nheads, head_dim), stride=stride, assumed_align=16)
+
+    q, o, do, dq = (bshd(seqlen_q, heads) for _ in range(4))
+    k, v, dk, dv = (bshd(seqlen_k, heads_kv) for _ in range(4))
+    f32 = cutlass.Float32
+    lse = make_fake_tensor(f32, (batch, heads, seqlen_q), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    rows = [
+        make_fake_tensor(f32, (batch, heads, seqlen_q_pad),
+                         stride=(cute.sym_int64(divisibility=128), cute.sym_int64(divisibility=128), 1), assumed_align=16)
+        for _ in range(2)
+    ]
+    dq_accum = make_fake_tensor(
+        f32, (batch, heads, seqlen_q_pad, head_dim_padded),
+        stride=(cute.sym_int64(divisibility=128), cute.sym_int64(divisibility=128), head_dim_padded, 1), assumed_align=16,
+    )
+    # the semaphores are a dummy (1, 1, 1) tensor unless deterministic: shapes of their own
+    sem = make_fake_tensor(cutlass.Int32, (sym(), sym(), m_blocks), stride=(cute.sym_int64(), cute.sym_int64(), 1),
+                           assumed_align=4)
+    return dict(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse, lse_log2=rows[0], d=rows[1],
+                dq_accum=dq_accum, sem=sem)
+
+
+def build_backward(key, keep_artifacts: bool = False):
+    """Compile the backward preprocess, main or postprocess kernel for ``key`` (no GPU needed)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_attn.kernels.sm80 import backward as bwd
+
+    dtype = _cutlass_dtype(key.dtype)
+    t = _fake_backward_tensors(dtype, key.head_dim)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if isinstance(key, RowKernelKey) and key.kind == "bwd_pre":
+        kernel = bwd.BackwardPreprocessSm80(dtype, key.head_dim, key.check_hdim)
+        args = (t["o"], t["do"], t["lse"], t["lse_log2"], t["d"], t["dq_accum"])
+    elif isinstance(key, RowKernelKey) and key.kind == "bwd_post":
+        kernel = bwd.BackwardPostprocessSm80(dtype, key.head_dim, key.check_hdim)
+        args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0))
+    elif isinstance(key, BackwardKey):
+        tr = key.traits
+        kernel = bwd.FlashAttentionBackwardSm80(
+            dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_warps, tr.sdp_warps_m, tr.dkv_warps_n, tr.dq_warps_m,
+            key.causal, key.check_hdim, key.deterministic,
+        )
+        args = (t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["d"], t["dq_accum"], t["dk"], t["dv"], t["sem"],
+                cutlass.Float32(1.0), cutlass.Float32(1.0))
+    else:
+        raise ValueError(f"not a backward key: {key!r}")
+    return _compile(kernel, *args, stream, target=key.target, keep_artifacts=keep_artifacts)
+
+
+def _compile(kernel, *args, target: str, keep_artifacts: bool, ptxas_options: str = ""):
+    """cute.compile for ``target``; with ``keep_artifacts`` the PTX and cubin stay on the result
+    (``__ptx__``, ``__cubin__``), written through a private temporary dump dir."""
+    import tempfile
+
+    import cutlass.cute as cute
+
+    options = f"--enable-tvm-ffi --gpu-arch {target}"
+    if ptxas_options:
+        options += f" --ptxas-options '{ptxas_options}'"
+    if not keep_artifacts:
+        return cute.compile(kernel, *args, options=options)
+    with tempfile.TemporaryDirectory(prefix="cute_attn_") as tmp:
+        return cute.compile(kernel, *args, options=f"{options} --keep-ptx --keep-cubin --dump-dir {tmp}")
+
+
+def build_forward(key: ForwardKey, keep_artifacts: bool = False):
+    """Compile one forward variant (no GPU needed): the first candidate traits whose cubin uses no
+    local memory (the last candidate regardless). ``keep_artifacts`` keeps PTX and cubin on the
+    returned object (``__ptx__``, ``__cubin__``); ``.traits`` tells which candidate was taken."""
+    from cute_attn.artifacts import cubin_resources
+
+    for i, traits in enumerate(key.candidates):
+        last = i == len(key.candidates) - 1
+        fn = _build_forward_traits(key, traits, keep_artifacts or not last)
+        if last or cubin_resources(fn.__cubin__)["stack_frame"] == 0:
+            fn.traits = traits
+            return fn
+
+
+def _build_forward_traits(key: ForwardKey, t: ForwardTraits, keep_artifacts: bool):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_attn.kernels.sm80.forward import FlashAttentionForwardSm80
+
+    if key.kernel != "sm80":
+        raise ValueError(f"unknown forward kernel family {key.kernel!r}")
+    kernel = FlashAttentionForwardSm80(
+        _cutlass_dtype(key.dtype), key.head_dim, t.tile_m, t.tile_n, t.num_warps, t.num_stages,
+        key.causal, key.check_hdim, t.pv_chunks,
+    )
+    q, k, v, o, lse = _fake_attention_tensors(_cutlass_dtype(key.dtype))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    ptxas = "" if t.reg_level is None else f"--register-usage-level={t.reg_level}"
+    return _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), stream,
+                    target=key.target, keep_artifacts=keep_artifacts, ptxas_options=ptxas)
+
+
+class KernelCache:
+    """Compiled kernels by key: in memory, optionally backed by a directory of exported objects.
+
+    Thread-safe: concurrent first calls for one key compile it once; other keys proceed in parallel.
+    """
+
+    EXPORT_NAME = "kernel"
+
+    def __init__(self, build: Callable[[Any], Any], disk_dir: str | None = None):
+        self._build = build
+        self._fns: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+        self._key_locks: dict[Any, threading.Lock] = {}
+        self._disk = Path(disk_dir) if disk_dir else None
+
+    def get(self, key):
+        fn = self._fns.get(key)
+        if fn is not None:
+            return fn
+        with self._lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            fn = self._fns.get(key)
+            if fn is None:
+                fn = self._load(key)
+                if fn is None:
+                    fn = self._build(key)
+                    self._store(key, fn)
+                self._fns[key] = fn
+        return fn
+
+    def __contains__(self, key) -> bool:
+        return key in self._fns
+
+    def clear(self) -> None:
+        with self._lock:
+            self._fns.clear()
+
+    # -- disk
+    def _path(self, key) -> Path:
+        digest = hashlib.sha256(pickle.dumps((key, _source_fingerprint()))).hexdigest()[:32]
+        return self._disk / f"{digest}.o"
+
+    def _load(self, key):
+        if self._disk is None or not self._path(key).exists():
+            return None
+        import cutlass.cute as cute
+
+        try:
+            module = cute.runtime.load_module(str(self._path(key)), enable_tvm_ffi=True)
+            return getattr(module, self.EXPORT_NAME)
+        except Exception:  # a stale or truncated entry is a miss: recompile and replace it
+            return None
+
+    def _store(self, key, fn) -> None:
+        if self._disk is None:
+            return
+        self._disk.mkdir(parents=True, exist_ok=True)
+        path = self._path(key)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp.o")
+        try:
+            fn.export_to_c(object_file_path=str(tmp), function_name=self.EXPORT_NAME)
+            os.replace(tmp, path)
+        except Exception:
+            tmp.unlink(missing_ok=True)
+
+
+_FINGERPRINT: str | None = None
+
+
+def _source_fingerprint() -> str:
+    """Hash of what a compiled kernel depends on (the kernel sources, this file, the DSL version):
+    a change there invalidates the disk entries."""
+    global _FINGERPRINT
+    if _FINGERPRINT is None:
+        import cutlass
+
+        h = hashlib.sha256(str(getattr(cutlass, "__version__", "")).encode())
+        root = Path(__file__).parent
+        for path in sorted([Path(__file__), *(root / "kernels").rglob("*.py")]):
+            h.update(path.relative_to(root).as_posix().encode())
+            h.update(path.read_bytes())
+        _FINGERPRINT = h.hexdigest()
+    return _FINGERPRINT
+
+
+def build(key, keep_artifacts: bool = False):
+    """Compile any kernel key (forward, backward main, backward pre/postprocess)."""
+    if isinstance(key, ForwardKey):
+        return build_forward(key, keep_artifacts)
+    return build_backward(key, keep_artifacts)
+
+
+forward_cache = KernelCache(build_forward, os.environ.get("CUTE_ATTN_CACHE_DIR"))
+backward_cache = KernelCache(build_backward, os.environ.get("CUTE_ATTN_CACHE_DIR"))
+
+
+def forward_variants(
+    targets: Iterable[str] = TARGETS,
+    head_dims: Iterable[int] = (32, 64, 96, 128, 192, 256),
+    dtypes: Iterable[str] = DTYPES,
+    causal: Iterable[bool] = (False, True),
+) -> list[ForwardKey]:
+    """Every forward variant over the given axes (ahead-of-time lists for tools/ and tests)."""
+    return [
+        forward_key(target, dtype, d, c)
+        for target in targets
+        for d in head_dims
+        for dtype in dtypes
+        for c in causal
+    ]
+
+
+def backward_variants(
+    targets: Iterable[str] = TARGETS,
+    head_dims: Iterable[int] = (32, 64, 96, 128, 192, 256),
+    dtypes: Iterable[str] = DTYPES,
+    causal: Iterable[bool] = (False, True),
+    deterministic: Iterable[bool] = (False,),
+) -> list:
+    """Every backward kernel (pre/main/post, deduplicated) over the given axes."""
+    keys: dict = {}
+    for target in targets:
+        for d in head_dims:
+            for dtype in dtypes:
+                for c in causal:
+                    for det in deterministic:
+                        for key in backward_keys(target, dtype, d, c, det):
+                            keys[key] = None
+    return list(keys)

@@ -1,0 +1,77 @@
+"""The only place that looks at the GPU: compute capability -> kernel family and code target.
+
+- 8.x runs the SM80 kernels (mma.sync, cp.async, ldmatrix), compiled for that exact target.
+- 9.0 runs the SM80 kernels too, compiled for sm_90a (until an SM90 kernel exists).
+- anything else raises.
+
+``CUTE_ATTN_ARCH=sm80`` (or the ``force_arch("sm80")`` context manager) forces a kernel family,
+for tests and comparisons; forcing a family the GPU cannot run raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from dataclasses import dataclass
+
+KERNEL_FAMILIES = ("sm80",)
+_forced = threading.local()
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    kernel: str  # "sm80"
+    target: str  # "sm_80", "sm_86", "sm_89", "sm_90a", ...
+    smem_capacity: int  # opt-in shared memory per block, bytes
+
+
+@contextlib.contextmanager
+def force_arch(kernel: str | None):
+    """Run the enclosed calls with kernel family ``kernel`` (None: automatic)."""
+    if kernel is not None and kernel not in KERNEL_FAMILIES:
+        raise ValueError(f"arch must be one of {KERNEL_FAMILIES} or None, got {kernel!r}")
+    previous = getattr(_forced, "kernel", None)
+    _forced.kernel = kernel
+    try:
+        yield
+    finally:
+        _forced.kernel = previous
+
+
+def _requested_kernel() -> str | None:
+    kernel = getattr(_forced, "kernel", None) or os.environ.get("CUTE_ATTN_ARCH") or None
+    if kernel is not None and kernel not in KERNEL_FAMILIES:
+        raise ValueError(f"CUTE_ATTN_ARCH must be one of {KERNEL_FAMILIES}, got {kernel!r}")
+    return kernel
+
+
+def target_for_capability(major: int, minor: int) -> str:
+    if major == 9 and minor == 0:
+        return "sm_90a"
+    if major == 8:
+        return f"sm_8{minor}"
+    raise ValueError(
+        f"cute_attn runs on compute capability 8.x (Ampere/Ada) and 9.0 (Hopper); "
+        f"this GPU is {major}.{minor}"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[int, int, int]:
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    return props.major, props.minor, smem
+
+
+def plan_for_device(device) -> DevicePlan:
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor, smem = _device_facts(index)
+    target = target_for_capability(major, minor)
+    kernel = _requested_kernel() or "sm80"
+    return DevicePlan(kernel, target, smem)

@@ -1,0 +1,51 @@
+"""Masking of one S = Q K^T tile in registers: causal (bottom-right aligned) and the seqlen_k end.
+
+Scores that a query must not see become -inf before the softmax. Only the blocks that
+``block_info`` marks as crossing the diagonal or the seqlen_k end call this.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from cute_attn.kernels.layout import acc_to_rows_cols
+
+
+@cute.jit
+def apply_mask(
+    acc_S: cute.Tensor,
+    tScS: cute.Tensor,
+    tScS_thread0: cute.Tensor,
+    m_block: Int32,
+    n_block: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    causal: cutlass.Constexpr[bool],
+):
+    """Set the entries of ``acc_S`` that a query must not see to -inf.
+
+    ``tScS`` holds each accumulator element's (row, col) within the tile for this thread and
+    ``tScS_thread0`` the same for thread 0. Comparing thread 0's columns (compile-time constants)
+    against a limit shifted by this thread's column offset leaves one compare and one select per
+    element.
+    """
+    acc = acc_to_rows_cols(acc_S)
+    coord = acc_to_rows_cols(tScS)
+    coord0 = acc_to_rows_cols(tScS_thread0)
+    # this thread's (row, col) offset from thread 0: the only run-time part of the coordinates
+    row_offset = coord[0, 0][0] - coord0[0, 0][0]
+    col_offset = coord[0, 0][1] - coord0[0, 0][1]
+    k_base = n_block * tile_n
+    seqlen_limit = seqlen_k - k_base - col_offset
+    # key j is visible to query i iff j <= i + seqlen_k - seqlen_q (bottom-right aligned)
+    causal_base = m_block * tile_m + row_offset + 1 + seqlen_k - seqlen_q - k_base - col_offset
+    for r in cutlass.range_constexpr(cute.size(acc.shape[0])):
+        # keys at tile column >= limit are past seqlen_k or above the diagonal
+        limit = seqlen_limit
+        if const_expr(causal):
+            limit = cutlass.min(limit, causal_base + coord0[r, 0][0])
+        for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
+            if coord0[0, c][1] >= limit:
+                acc[r, c] = -Float32.inf

@@ -1,0 +1,1 @@
+"""Ampere-generation kernels (mma.sync, cp.async, ldmatrix); they also run on Hopper."""

@@ -1,0 +1,309 @@
+"""FlashAttention-2 forward for SM80+ (mma.sync, cp.async, ldmatrix), written with the CuTe DSL.
+
+Grid: (Q block, head, batch). Each CTA keeps its Q tile in shared memory and walks the K/V blocks
+from the last visible one down to block 0, so the only partial (seqlen_k boundary) block and the
+blocks that cross the causal diagonal come first and the mask-free blocks run in a tight loop.
+Warps are stacked along the Q rows: every warp owns whole rows of S, so the softmax needs only
+quad shuffles, never shared memory.
+
+Per K/V block n (``_attend_block``):
+    wait for K[n] -> issue cp.async for a later V -> S = Q K[n]^T -> mask -> online softmax
+    -> wait for V[n] -> issue cp.async for a later K -> O += P V[n]
+K and V each have ``num_stages`` shared-memory buffers, so with 2 stages the loads of blocks
+n-1 and n-2 overlap the MMAs of block n.
+"""
+
+from functools import partial
+from typing import Type
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from cute_attn.kernels import block_info
+from cute_attn.kernels.layout import acc_to_operand_a, convert, transpose_smem
+from cute_attn.kernels.mask import apply_mask
+from cute_attn.kernels.softmax import OnlineSoftmax
+from cute_attn.kernels.sm80 import common
+
+
+class FlashAttentionForwardSm80:
+    """Compile-time configuration of one forward variant; ``__call__`` is the host-side launch.
+
+    head_dim: the padded head dim of the traits entry (the actual one is a run-time shape and
+    columns past it are zero-filled on load and skipped on store when ``check_hdim``).
+    """
+
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        tile_m: int,
+        tile_n: int,
+        num_warps: int,
+        num_stages: int,
+        causal: bool,
+        check_hdim: bool,
+        pv_chunks: int = 1,
+    ):
+        assert tile_m % (16 * num_warps) == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
+        assert num_stages in (1, 2)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_warps = num_warps
+        self.num_threads = num_warps * 32
+        self.num_stages = num_stages
+        self.causal = causal
+        self.check_hdim = check_hdim
+        self.pv_chunks = pv_chunks
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32
+        softmax_scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        atom = common.smem_layout_atom(self.dtype, self.head_dim)
+        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, self.head_dim), (0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (self.tile_n, self.head_dim, self.num_stages), (0, 1, 2))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        copy_load = common.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, asynchronous=True)
+        copy_store = common.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, asynchronous=False)
+        mma = common.tiled_mma(self.dtype, self.num_warps)
+        num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, softmax_scale_log2,
+            sQ_layout, sKV_layout, copy_load, copy_store, mma, SharedStorage,
+        ).launch(
+            grid=(num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0])),
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        copy_load: cute.TiledCopy,
+        copy_store: cute.TiledCopy,
+        mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block_raw, head, batch = cute.arch.block_idx()
+        num_m_blocks, _, _ = cute.arch.grid_dim()
+        # causal: the last Q blocks see the most keys; launching them first evens out the tail
+        m_block = num_m_blocks - 1 - m_block_raw if const_expr(self.causal) else m_block_raw
+        seqlen_q = mQ.shape[1]
+        seqlen_k = mK.shape[1]
+        head_dim = mQ.shape[3]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA/MQA: K/V are shared, never copied
+
+        n_block_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+        n_block_mask_start = block_info.n_block_mask_start(
+            m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal
+        )
+        n_first = cutlass.max(n_block_max - 1, 0)
+
+        # ---- tiles of this CTA in global memory
+        tile_q = (self.tile_m, self.head_dim)
+        tile_kv = (self.tile_n, self.head_dim)
+        gQ = cute.local_tile(mQ[batch, None, head, None], tile_q, (m_block, 0))
+        gK = cute.local_tile(mK[batch, None, head_kv, None], tile_kv, (None, 0))  # (n, d, n_block)
+        gV = cute.local_tile(mV[batch, None, head_kv, None], tile_kv, (None, 0))
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sVt = transpose_smem(sV)  # (d, n, stage): V as the B operand of O = P V
+
+        # ---- global -> shared copies (cp.async, 128-bit)
+        thr_load = copy_load.get_slice(tidx)
+        tQgQ, tQsQ = thr_load.partition_S(gQ), thr_load.partition_D(sQ)
+        tKgK, tKsK = thr_load.partition_S(gK), thr_load.partition_D(sK)
+        tVgV, tVsV = thr_load.partition_S(gV), thr_load.partition_D(sV)
+        tQcQ = thr_load.partition_S(cute.make_identity_tensor(tile_q))
+        tKVcKV = thr_load.partition_S(cute.make_identity_tensor(tile_kv))
+
+        # ---- MMA partitions and shared -> register copies (ldmatrix)
+        thr_mma = mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_O.fill(0.0)
+        ldsm_Q = cute.make_tiled_copy_A(common.ldmatrix_atom(self.dtype), mma).get_slice(tidx)
+        ldsm_K = cute.make_tiled_copy_B(common.ldmatrix_atom(self.dtype), mma).get_slice(tidx)
+        ldsm_V = cute.make_tiled_copy_B(common.ldmatrix_atom(self.dtype, transpose=True), mma).get_slice(tidx)
+        tSsQ = ldsm_Q.partition_S(sQ)
+        tSsK = ldsm_K.partition_S(sK)
+        tOsVt = ldsm_V.partition_S(sVt)
+
+        # (row, col) of every S element this thread holds, and of thread 0's, for masking
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = thr_mma.partition_C(cS)
+        tScS_thread0 = mma.get_slice(0).partition_C(cS)
+
+        softmax = OnlineSoftmax(softmax_scale_log2, num_rows=cute.size(acc_O.shape[0][1]) * cute.size(acc_O.shape[1]))
+
+        load_K = partial(self._load_kv, copy_load, tKgK, tKsK, tKVcKV, seqlen_k, head_dim)
+        load_V = partial(self._load_kv, copy_load, tVgV, tVsV, tKVcKV, seqlen_k, head_dim)
+
+        # ---- prologue: Q and the first K (one cp.async group), then the other stages.
+        # Group order: [Q, K0] V0 K1 (2 stages) or [Q, K0] (1 stage); each iteration then commits
+        # one V and one K group, so "wait until at most 2*s - 2 groups are pending" always means
+        # "the oldest group has landed".
+        common.copy_rows(
+            copy_load, tQgQ, tQsQ, tQcQ, seqlen_q - m_block * self.tile_m, head_dim, True, self.check_hdim
+        )
+        load_K(n_first, 0, boundary=True)
+        cute.arch.cp_async_commit_group()
+        if const_expr(self.num_stages == 2):
+            load_V(n_first, 0, boundary=True)
+            cute.arch.cp_async_commit_group()
+            if n_first - 1 >= 0:
+                load_K(n_first - 1, 1, boundary=False)
+            cute.arch.cp_async_commit_group()
+
+        attend = self._attend_block
+        ctx = (
+            thr_mma, mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_Q, ldsm_K, ldsm_V,
+            acc_O, softmax, load_K, load_V, tScS, tScS_thread0, m_block, seqlen_q, seqlen_k,
+        )
+        # Blocks [n_block_mask_start, n_block_max) cross the diagonal or the seqlen_k end and are
+        # masked (non-causal: only the first, the seqlen_k boundary); the rest need no mask.
+        num_masked = cutlass.max(n_block_max - cutlass.max(n_block_mask_start, 0), 0)
+        if const_expr(not self.causal):
+            num_masked = cutlass.min(n_block_max, 1)
+        read_stage = Int32(0)
+        write_stage = Int32(self.num_stages - 1)
+        for i in cutlass.range(num_masked, unroll=1):
+            attend(ctx, n_first - i, read_stage, write_stage, masked=True)
+            read_stage, write_stage = self._advance(read_stage), self._advance(write_stage)
+        for i in cutlass.range(n_block_max - num_masked, unroll=1):
+            attend(ctx, n_block_max - num_masked - 1 - i, read_stage, write_stage, masked=False)
+            read_stage, write_stage = self._advance(read_stage), self._advance(write_stage)
+        cute.arch.cp_async_wait_group(0)
+
+        # ---- epilogue: O /= rowsum, LSE; O goes registers -> shared (reusing sQ) -> global
+        lse = softmax.finalize(acc_O)
+        rO = convert(acc_O, self.dtype)
+
+        # LSE: the thread holding column 0 of a row writes it
+        gLSE = cute.local_tile(mLSE[batch, head, None], (self.tile_m,), (m_block,))
+        tOcO = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        rows_left = seqlen_q - m_block * self.tile_m
+        if tOcO[0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = tOcO[(0, r % 2), r // 2, 0][0]
+                if row < rows_left:
+                    gLSE[row] = lse[r]
+
+        cute.arch.barrier()  # every warp is done reading sQ and sV: O reuses sQ's memory
+        sO = cute.make_tensor(sQ.iterator, sQ_layout)
+        gO = cute.local_tile(mO[batch, None, head, None], tile_q, (m_block, 0))
+        common.store_acc_tile(rO, sO, mma, copy_store, gO, tidx, rows_left, head_dim, self.check_hdim)
+
+    @cute.jit
+    def _load_kv(
+        self,
+        copy_load: cute.TiledCopy,
+        tXgX: cute.Tensor,
+        tXsX: cute.Tensor,
+        tXcX: cute.Tensor,
+        seqlen_k: Int32,
+        head_dim: Int32,
+        n_block: Int32,
+        stage,
+        boundary: cutlass.Constexpr[bool],
+    ):
+        """cp.async one K or V block into a stage; ``boundary``: the block may end past seqlen_k."""
+        common.copy_rows(
+            copy_load, tXgX[None, None, None, n_block], tXsX[None, None, None, stage], tXcX,
+            seqlen_k - n_block * self.tile_n, head_dim, boundary, self.check_hdim,
+        )
+
+    def _advance(self, stage: Int32) -> Int32:
+        return (stage + 1) % self.num_stages
+
+    @cute.jit
+    def _attend_block(
+        self,
+        ctx,
+        n_block: Int32,
+        read_stage: Int32,
+        write_stage: Int32,
+        masked: cutlass.Constexpr[bool],
+    ):
+        """One K/V block: S = Q K^T, mask, online softmax, O += P V, with the next loads in flight."""
+        (thr_mma, mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_Q, ldsm_K, ldsm_V,
+         acc_O, softmax, load_K, load_V, tScS, tScS_thread0, m_block, seqlen_q, seqlen_k) = ctx
+        s = self.num_stages
+        stage_r = read_stage if const_expr(s > 1) else 0
+
+        cute.arch.cp_async_wait_group(2 * s - 2)  # K[n_block] landed ...
+        cute.arch.barrier()  # ... for every thread, and everyone is done with the buffer reused next
+        # V of block n - (s - 1) into the buffer that V[n - s] used
+        v_block = n_block - (s - 1)
+        if v_block >= 0:
+            # (one stage: the first block's V, the seqlen_k boundary, is loaded here)
+            load_V(v_block, write_stage if const_expr(s > 1) else 0, boundary=masked and s == 1)
+        cute.arch.cp_async_commit_group()
+
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_S.fill(0.0)
+        common.gemm(mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, stage_r], ldsm_Q, ldsm_K)
+
+        if const_expr(s == 1):
+            # K's only buffer is free once every warp has finished the GEMM above
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            if n_block - 1 >= 0:
+                load_K(n_block - 1, 0, boundary=False)
+            cute.arch.cp_async_commit_group()
+
+        if const_expr(masked):
+            apply_mask(acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n,
+                       seqlen_q, seqlen_k, self.causal)
+        softmax.step(acc_S, acc_O, check_inf=masked and self.causal)
+        tOrP = acc_to_operand_a(convert(acc_S, self.dtype))
+
+        if const_expr(s > 1):
+            cute.arch.cp_async_wait_group(2 * s - 2)  # V[n_block] landed
+            cute.arch.barrier()  # (and every warp is done reading K[n_block])
+
+        common.gemm_rs(mma, acc_O, tOrP, tOrVt, tOsVt[None, None, None, stage_r], ldsm_V, self.pv_chunks)
+
+        if const_expr(s > 1):
+            # K of block n - s into the buffer K[n_block] used. Issued after the P V GEMM rather
+            # than before it: its address arithmetic then does not compete with P and O for
+            # registers, and it still has a whole iteration to land.
+            if n_block - s >= 0:
+                load_K(n_block - s, read_stage, boundary=False)
+            cute.arch.cp_async_commit_group()

@@ -1,0 +1,143 @@
+"""Kernel traits: one readable table per arch and direction, keyed by the padded head dim.
+
+A head dim that is not a table entry (any multiple of 8 up to 256) runs the next larger entry's
+kernel; the extra columns are zero-filled on load and never stored.
+
+Shared memory per CTA (2-byte elements), forward: Q tile + num_stages * (K tile + V tile).
+H100 has 227 KB per CTA / 228 KB per SM and 64K registers per SM; A100 164 KB; sm_86/89 ~100 KB.
+With 4 warps of up to 255 registers a CTA takes 32K registers, so at most 2 CTAs fit per SM; the
+tables aim for 2 CTAs per SM on H100 (<= ~113 KB of shared memory each) wherever registers allow.
+``fit_to_smem`` shrinks an entry (fewer stages, then a smaller tile_n) for GPUs with less.
+"""
+
+from dataclasses import dataclass, replace
+
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class ForwardTraits:
+    head_dim: int  # padded head dim the kernel is compiled for
+    tile_m: int  # Q rows per CTA
+    tile_n: int  # K/V rows per inner iteration
+    num_warps: int  # stacked along tile_m: each warp owns tile_m / num_warps whole rows
+    num_stages: int  # shared-memory buffers for each of K and V
+    # ptxas --register-usage-level (0..10, ptxas default 5); lower trades some scheduling freedom
+    # for fewer live registers, which is what keeps the fullest tiles from spilling
+    reg_level: int | None = None
+    # O += P V in this many column slices, so only one slice of V's registers is live at a time
+    pv_chunks: int = 1
+
+    @property
+    def spec(self) -> str:
+        """'m128n32w4s2' (+ 'c2' / 'r2' when set): the form parse_traits and --sweep take."""
+        return (f"m{self.tile_m}n{self.tile_n}w{self.num_warps}s{self.num_stages}"
+                f"{f'c{self.pv_chunks}' if self.pv_chunks != 1 else ''}"
+                f"{f'r{self.reg_level}' if self.reg_level is not None else ''}")
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        return elem_bytes * self.head_dim * (self.tile_m + 2 * self.num_stages * self.tile_n)
+
+
+# SM80 forward (mma.sync). Measured on H100 (tools/bench.py --sweep, docs/performance.md). An entry
+# may list fallbacks: the compiler takes the first candidate whose cubin needs no local memory
+# (compile.build_forward), because at 255 registers whether ptxas spills a few bytes flips with
+# the target, dtype, causal and padded variants.
+SM80_FORWARD = {
+    # d32/d64: 128x64 beat 128x128 by 10-60% (less S per thread, no spills) and 64x64 at S >= 1024.
+    32: (ForwardTraits(32, tile_m=128, tile_n=64, num_warps=4, num_stages=2),),
+    64: (ForwardTraits(64, tile_m=128, tile_n=64, num_warps=4, num_stages=2),),
+    # d96: 128x64, two stages (72 KB, 2 CTAs/SM); 1.08-1.14x FA2 at S >= 1024.
+    96: (ForwardTraits(96, tile_m=128, tile_n=64, num_warps=4, num_stages=2),),
+    # d128: O alone is 128 fp32 registers per thread. A 64-wide S tile spills 24-72 bytes; 32 wide
+    # runs 1.02-1.06x FA2 and compiles clean in most variants; the others take the same tile with
+    # O += P V in two column slices, or ptxas register-usage level 2. 16 wide never spills but ran
+    # 35% slower; 8 warps (16 rows each) never spill but ran 15% slower.
+    128: (
+        ForwardTraits(128, tile_m=128, tile_n=32, num_warps=4, num_stages=2),
+        ForwardTraits(128, tile_m=128, tile_n=32, num_warps=4, num_stages=2, pv_chunks=2),
+        ForwardTraits(128, tile_m=128, tile_n=32, num_warps=4, num_stages=2, reg_level=2),
+        ForwardTraits(128, tile_m=128, tile_n=16, num_warps=4, num_stages=2),
+    ),
+    # d192: 8 warps share the 128-row Q tile so O stays at 96 registers per thread; one stage
+    # (96 KB) keeps 2 CTAs/SM.
+    192: (ForwardTraits(192, tile_m=128, tile_n=64, num_warps=8, num_stages=1),),
+    # d256: 8 warps, one stage: 128 KB, 1 CTA/SM (two stages would need 192 KB for no occupancy gain).
+    256: (ForwardTraits(256, tile_m=128, tile_n=64, num_warps=8, num_stages=1),),
+}
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The traits entry that serves ``head_dim`` (the smallest entry >= head_dim)."""
+    for d in HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def fit_to_smem(traits: ForwardTraits, smem_capacity: int) -> ForwardTraits:
+    """Shrink ``traits`` until its shared memory fits ``smem_capacity`` bytes."""
+    while traits.smem_bytes() > smem_capacity:
+        if traits.num_stages > 1:
+            traits = replace(traits, num_stages=traits.num_stages - 1)
+        elif traits.tile_n > 32:
+            traits = replace(traits, tile_n=traits.tile_n // 2)
+        else:
+            raise ValueError(f"no forward tile for head_dim {traits.head_dim} fits {smem_capacity} bytes")
+    return traits
+
+
+def parse_traits(spec: str, head_dim: int) -> ForwardTraits:
+    """'m128n64w4s2' (optionally followed by 'c2' and/or 'r3') -> ForwardTraits, for tools and sweeps."""
+    import re
+
+    m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(?:c(\d+))?(?:r(\d+))?", spec)
+    if not m:
+        raise ValueError(f"traits spec must look like m128n64w4s2 (or m128n64w4s2c2r3), got {spec!r}")
+    tile_m, tile_n, warps, stages, chunks, level = m.groups()
+    return ForwardTraits(padded_head_dim(head_dim), int(tile_m), int(tile_n), int(warps), int(stages),
+                         int(level) if level is not None else None, int(chunks) if chunks is not None else 1)
+
+
+def sm80_forward_traits(head_dim: int, causal: bool = False,
+                        smem_capacity: int | None = None) -> tuple[ForwardTraits, ...]:
+    """The candidates for ``head_dim``, in order of preference, shrunk to ``smem_capacity``."""
+    candidates = SM80_FORWARD[padded_head_dim(head_dim)]
+    if smem_capacity:
+        candidates = tuple(dict.fromkeys(fit_to_smem(t, smem_capacity) for t in candidates))
+    return candidates
+
+
+@dataclass(frozen=True)
+class BackwardTraits:
+    head_dim: int  # padded head dim
+    tile_m: int  # Q rows per inner iteration
+    tile_n: int  # K/V rows per CTA (dK, dV stay in registers)
+    num_warps: int
+    sdp_warps_m: int  # warps along tile_m for S = Q K^T and dP = dO V^T (the rest along tile_n)
+    dkv_warps_n: int  # warps along tile_n for dK, dV (the rest along head_dim)
+    dq_warps_m: int  # warps along tile_m for dQ (the rest along head_dim)
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        d, m, n = self.head_dim, self.tile_m, self.tile_n
+        # K, V + 2 stages of Q, dO + P, dS (+ LSE, D)
+        return elem_bytes * (2 * n * d + 4 * m * d + 2 * m * n) + 2 * 2 * 4 * m
+
+
+# SM80 backward (mma.sync), 8 warps as in FlashAttention-2: per CTA dK and dV of a 128-row K/V
+# tile live in registers (2 x 64 fp32 per thread at d128) while 64-row Q blocks stream by.
+SM80_BACKWARD = {
+    32: BackwardTraits(32, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=4),
+    64: BackwardTraits(64, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=2),
+    96: BackwardTraits(96, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=4),
+    # d128: 160 KB of shared memory, 1 CTA (8 warps) per SM.
+    128: BackwardTraits(128, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=2),
+    # d192/d256: 64-row K/V tiles keep dK + dV at 96/128 fp32 registers per thread and smem <= 208 KB.
+    192: BackwardTraits(192, tile_m=64, tile_n=64, num_warps=8, sdp_warps_m=2, dkv_warps_n=2, dq_warps_m=2),
+    256: BackwardTraits(256, tile_m=64, tile_n=64, num_warps=8, sdp_warps_m=2, dkv_warps_n=2, dq_warps_m=2),
+}
+
+
+def sm80_backward_traits(head_dim: int) -> BackwardTraits:
+    return SM80_BACKWARD[padded_head_dim(head_dim)]

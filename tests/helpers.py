@@ -1,0 +1,46 @@
+"""Shared pieces of the GPU tests: fresh random inputs, NaN poisoning, error criteria."""
+
+import torch
+
+from cute_attn.reference import attention_reference
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, device="cuda", requires_grad=False):
+    g = torch.Generator(device=device)
+    g.seed()  # fresh inputs for every case
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim, device=device, dtype=dtype, generator=g)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def poisoned_like(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    """An output buffer full of NaN, so that any element the kernel fails to write fails the test."""
+    return torch.full(shape if shape is not None else t.shape, float("nan"), dtype=dtype or t.dtype, device=t.device)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def check_close(name: str, got: torch.Tensor, ref: torch.Tensor, baseline: torch.Tensor, atol: float, case: str):
+    """got must be within 2x the error of a same-dtype PyTorch computation (``baseline``) + atol."""
+    assert not torch.isnan(got).any(), f"{name}: NaN in output ({case})"
+    err, base = max_err(got, ref), max_err(baseline, ref)
+    assert err <= 2 * base + atol, f"{name}: max error {err:.3g} > 2 x {base:.3g} + {atol} ({case})"
+
+
+def check_lse(lse: torch.Tensor, ref_lse: torch.Tensor, case: str):
+    assert not torch.isnan(lse).any(), f"lse: NaN ({case})"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty), f"lse: +inf rows differ from the reference ({case})"
+    if (~empty).any():
+        err = ((lse - ref_lse).abs() / ref_lse.abs().clamp_min(1.0))[~empty].max().item()
+        assert err <= 1e-3, f"lse: relative error {err:.3g} > 1e-3 ({case})"
+
+
+def reference_pair(q, k, v, causal, softmax_scale=None):
+    """(fp32 reference, same-dtype PyTorch attention) outputs and the reference LSE."""
+    ref, ref_lse = attention_reference(q, k, v, causal, softmax_scale)
+    same, _ = attention_reference(q, k, v, causal, softmax_scale, compute_dtype=q.dtype)
+    return ref, same, ref_lse

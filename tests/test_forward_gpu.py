@@ -1,0 +1,74 @@
+"""Forward kernels against the fp32 reference on the GPU (marker ``gpu``; skipped without CUDA)."""
+
+import pytest
+import torch
+
+import cute_attn
+from helpers import check_close, check_lse, poisoned_like, random_qkv, reference_pair
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = [32, 64, 96, 128, 192, 256, 40, 120, 200]  # table entries, then padded ones
+SEQLENS = [  # (seqlen_q, seqlen_k): odd lengths, tile +-1, and seqlen_q != seqlen_k both ways
+    (1, 1), (17, 17), (113, 113), (127, 127), (128, 128), (129, 129), (255, 255), (1000, 1000),
+    (2048, 2048), (1, 1000), (17, 255), (113, 203), (1000, 129), (255, 1), (2048, 127),
+]
+HEADS = [(4, 4), (6, 2), (4, 1)]  # MHA, GQA, MQA
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_forward_matches_reference(head_dim, dtype, causal):
+    for seqlen_q, seqlen_k in SEQLENS:
+        for heads, heads_kv in HEADS:
+            batch = 2 if seqlen_q * seqlen_k < 10**6 else 1
+            case = f"d={head_dim} {dtype} causal={causal} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv}"
+            q, k, v = random_qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype)
+            out = poisoned_like(q)
+            out, lse = cute_attn.forward(q, k, v, causal=causal, out=out, return_lse=True)
+            ref, same, ref_lse = reference_pair(q, k, v, causal)
+            check_close("out", out, ref, same, 1e-5, case)
+            check_lse(lse, ref_lse, case)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_strided_inputs_and_scale(causal):
+    """Non-contiguous q/k/v (a packed qkv buffer), an explicit scale, and an explicit out."""
+    batch, seqlen, heads, head_dim = 2, 333, 4, 64
+    qkv = torch.randn(batch, seqlen, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    out = poisoned_like(q)
+    cute_attn.forward(q, k, v, causal=causal, softmax_scale=0.3, out=out)
+    ref, same, _ = reference_pair(q, k, v, causal, softmax_scale=0.3)
+    check_close("out", out, ref, same, 1e-5, "strided")
+
+
+def test_forward_rows_without_keys_are_zero():
+    """causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k queries see no key."""
+    q, k, v = random_qkv(1, 300, 100, 2, 2, 64, torch.bfloat16)
+    out, lse = cute_attn.forward(q, k, v, causal=True, out=poisoned_like(q), return_lse=True)
+    assert torch.all(out[:, :200] == 0) and torch.all(torch.isinf(lse[:, :, :200]))
+    assert not torch.isnan(out).any()
+
+
+def test_forward_runs_on_current_stream():
+    q, k, v = random_qkv(2, 512, 512, 4, 4, 128, torch.float16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = cute_attn.forward(q, k, v)
+    stream.synchronize()
+    ref, same, _ = reference_pair(q, k, v, False)
+    check_close("out", out, ref, same, 1e-5, "side stream")
+
+
+def test_new_shapes_do_not_recompile():
+    from cute_attn import compile as compile_mod
+
+    q, k, v = random_qkv(1, 64, 64, 2, 2, 64, torch.bfloat16)
+    cute_attn.forward(q, k, v)
+    before = len(compile_mod.forward_cache._fns)
+    for seqlen in (65, 300, 1025):
+        q, k, v = random_qkv(3, seqlen, seqlen + 7, 4, 2, 64, torch.bfloat16)
+        cute_attn.forward(q, k, v)
+    assert len(compile_mod.forward_cache._fns) == before

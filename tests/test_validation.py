@@ -1,0 +1,149 @@
+"""Bad input raises a ValueError/TypeError naming the argument, before anything is launched (CPU).
+
+The CUDA-device check comes last, so every other error can be exercised with CPU tensors here."""
+
+import pytest
+import torch
+
+import cute_attn
+
+
+def qkv(batch=2, seqlen_q=16, seqlen_k=16, heads=4, heads_kv=4, d=64, dtype=torch.bfloat16, device="cpu"):
+    q = torch.randn(batch, seqlen_q, heads, d, dtype=dtype, device=device)
+    k = torch.randn(batch, seqlen_k, heads_kv, d, dtype=dtype, device=device)
+    v = torch.randn(batch, seqlen_k, heads_kv, d, dtype=dtype, device=device)
+    return q, k, v
+
+
+def raises(exc, match, *args, **kwargs):
+    with pytest.raises(exc, match=match):
+        cute_attn.forward(*args, **kwargs)
+
+
+def test_valid_cpu_input_reaches_only_the_device_check():
+    raises(ValueError, "q must be a CUDA tensor", *qkv())
+
+
+def test_not_a_tensor():
+    q, k, v = qkv()
+    raises(TypeError, "k must be a torch.Tensor", q, k.tolist(), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8])
+def test_unsupported_dtype(dtype):
+    q, k, v = qkv()
+    raises(TypeError, "q must be float16 or bfloat16", q.to(dtype), k, v)
+
+
+def test_mixed_dtypes():
+    q, k, v = qkv()
+    raises(TypeError, "one dtype", q, k.half(), v)
+
+
+def test_wrong_rank():
+    q, k, v = qkv()
+    raises(ValueError, "v must have 4 dims", q, k, v[0])
+
+
+def test_mismatched_batch():
+    q, k, v = qkv()
+    raises(ValueError, "batch", q, k[:1], v[:1])
+
+
+def test_mismatched_head_dim():
+    q, _, _ = qkv()
+    _, k, v = qkv(d=32)
+    raises(ValueError, "head_dim", q, k, v)
+
+
+def test_k_v_shapes_differ():
+    q, k, v = qkv()
+    raises(ValueError, "k and v must have the same shape", q, k, v[:, :8])
+
+
+def test_heads_not_a_multiple():
+    q, k, v = qkv(heads=6, heads_kv=4)
+    raises(ValueError, "multiple of k/v heads", q, k, v)
+
+
+@pytest.mark.parametrize("d", [264, 12, 100])
+def test_bad_head_dim(d):
+    q, k, v = qkv(d=d)
+    raises(ValueError, "head_dim must be a multiple of 8", q, k, v)
+
+
+def test_last_dim_not_contiguous():
+    q, k, v = qkv()
+    raises(ValueError, "q must be contiguous in its last dim", q.transpose(1, 3).contiguous().transpose(1, 3), k, v)
+
+
+def test_misaligned_pointer():
+    q, k, v = qkv()
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype)[1:]
+    raises(ValueError, "k's data pointer must be 16-byte aligned", q, flat.view(q.shape), v)
+
+
+def test_misaligned_stride():
+    q, k, v = qkv(d=64)
+    wide = torch.randn(2, 16, 4, 68, dtype=q.dtype)[..., :64]
+    raises(ValueError, "v's strides", q, k, wide)
+
+
+def test_different_devices():
+    q, k, v = qkv()
+    raises(ValueError, "one device", q, k.to("meta"), v)
+
+
+def test_bad_softmax_scale():
+    q, k, v = qkv()
+    raises(TypeError, "softmax_scale", q, k, v, softmax_scale="0.1")
+    raises(ValueError, "softmax_scale", q, k, v, softmax_scale=float("nan"))
+
+
+def test_bad_causal():
+    q, k, v = qkv()
+    raises(TypeError, "causal must be a bool", q, k, v, causal=1)
+
+
+def test_bad_out():
+    q, k, v = qkv()
+    raises(ValueError, "out must have shape", q, k, v, out=torch.empty(2, 16, 4, 32, dtype=q.dtype))
+    raises(TypeError, "out must have dtype", q, k, v, out=torch.empty(q.shape, dtype=torch.float16))
+    raises(ValueError, "out must be on", q, k, v, out=torch.empty(q.shape, dtype=q.dtype, device="meta"))
+    raises(TypeError, "out must be a torch.Tensor", q, k, v, out=[1])
+
+
+def bwd_args(**overrides):
+    q, k, v = qkv()
+    args = dict(dout=torch.randn_like(q), q=q, k=k, v=v, out=torch.randn_like(q),
+                lse=torch.randn(q.shape[0], q.shape[2], q.shape[1]))
+    args.update(overrides)
+    return args
+
+
+def bwd_raises(exc, match, **overrides):
+    a = bwd_args(**overrides)
+    with pytest.raises(exc, match=match):
+        cute_attn.backward(a.pop("dout"), a.pop("q"), a.pop("k"), a.pop("v"), a.pop("out"), a.pop("lse"), **a)
+
+
+def test_backward_valid_cpu_input_reaches_only_the_device_check():
+    bwd_raises(ValueError, "q must be a CUDA tensor")
+
+
+def test_backward_bad_dout_out_lse():
+    q, _, _ = qkv()
+    bwd_raises(ValueError, "dout must have shape", dout=torch.randn(2, 16, 4, 32, dtype=q.dtype))
+    bwd_raises(TypeError, "dout must have dtype", dout=torch.randn(q.shape, dtype=torch.float16))
+    bwd_raises(ValueError, "dout's strides", dout=torch.randn(2, 16, 4, 68, dtype=q.dtype)[..., :64])
+    bwd_raises(ValueError, "out must have shape", out=torch.randn(2, 15, 4, 64, dtype=q.dtype))
+    bwd_raises(TypeError, "lse must be float32", lse=torch.randn(2, 4, 16, dtype=torch.float16))
+    bwd_raises(ValueError, "lse must have shape", lse=torch.randn(2, 16, 4))
+    bwd_raises(TypeError, "deterministic must be a bool", deterministic="yes")
+    bwd_raises(ValueError, "dk must have shape", dk=torch.empty(2, 16, 2, 64, dtype=q.dtype))
+
+
+def test_flash_attn_func_validates():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        cute_attn.flash_attn_func(q, k[:, :, :3], v[:, :, :3])

@@ -1,0 +1,201 @@
+"""TFLOP/s of cute_attn and its peers, on the same inputs, in one run (needs a GPU).
+
+    python tools/bench.py                       # the ANCHORS grid: bf16, 16k tokens, d 64/128, causal 0/1
+    python tools/bench.py --modes fwd bwd fwdbwd   # forward, backward, forward+backward tables
+    python tools/bench.py --seqlens 2048 8192 --head-dims 128 --causal 1
+    python tools/bench.py --sweep m128n64w4s2 m128n32w4s2    # cute_attn with other SM80 traits too
+
+Peers: torch SDPA with the flash (FlashAttention-2) and cuDNN backends, and FlashAttention-4
+(``flash_attn.cute``) when importable. Batch = tokens / seqlen, heads = 2048 / head_dim.
+FLOPs = 4 * batch * heads * seqlen^2 * head_dim, halved when causal; backward counts 2.5x that,
+forward+backward 3.5x. Backward is timed as autograd.grad of an existing output (each
+implementation's own backward kernels, pre/postprocessing included).
+Prints a markdown table (TFLOP/s, and cute_attn over the best peer); writes JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+
+def _peers():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    def sdpa_with(backend):
+        def run(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+
+        return run
+
+    peers = {"FA2 (SDPA flash)": sdpa_with(SDPBackend.FLASH_ATTENTION), "cuDNN (SDPA)": sdpa_with(SDPBackend.CUDNN_ATTENTION)}
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+
+        def run_fa4(q, k, v, causal):
+            out = fa4(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out
+
+        peers["FA4 (CuTe DSL)"] = run_fa4
+    except Exception as e:  # noqa: BLE001
+        print(f"# FlashAttention-4 not importable ({type(e).__name__}: {e}); skipped", file=sys.stderr)
+    return peers
+
+
+def _cute_attn_runners(sweep: list[str]):
+    import cute_attn
+    from cute_attn.interface import _launch_forward
+    from cute_attn.traits import parse_traits
+
+    def run(q, k, v, causal):
+        if torch.is_grad_enabled():
+            return cute_attn.flash_attn_func(q, k, v, causal=causal)
+        return cute_attn.forward(q, k, v, causal=causal)
+
+    runners = {"cute_attn": run}
+    for spec in sweep:
+
+        def run(q, k, v, causal, spec=spec):
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+            traits = parse_traits(spec, q.shape[3])
+            _launch_forward(q, k, v, out, lse, causal, 1 / math.sqrt(q.shape[3]), traits=traits)
+            return out
+
+        runners[f"cute_attn {spec}"] = run
+    return runners
+
+
+def _timed(fn, q, k, v, causal: bool, mode: str) -> float:
+    """Milliseconds for one forward, one backward, or both."""
+    if mode == "fwd":
+        with torch.no_grad():
+            return _time_ms(lambda: fn(q, k, v, causal))
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    dout = torch.randn_like(q)
+    if mode == "bwd":
+        out = fn(q, k, v, causal)
+        return _time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    return _time_ms(lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout))
+
+
+def _time_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwdbwd"], default=["fwd"])
+    p.add_argument("--sweep", nargs="*", default=[], help="extra cute_attn SM80 forward traits, e.g. m128n64w4s2")
+    p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--out", default="bench_results", help="directory for JSON and PNG")
+    args = p.parse_args(argv)
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    ours = _cute_attn_runners(args.sweep)
+    peers = {} if args.no_peers else _peers()
+    rows = []
+    for mode in args.modes:
+        impls = {**ours, **peers} if mode == "fwd" else {"cute_attn": ours["cute_attn"], **peers}
+        for d in args.head_dims:
+            for causal in args.causal:
+                for s in args.seqlens:
+                    batch, heads = max(args.tokens // s, 1), 2048 // d
+                    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+                    flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
+                    flops *= {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
+                    row = {"mode": mode, "head_dim": d, "causal": causal, "seqlen": s, "batch": batch, "heads": heads}
+                    for name, fn in impls.items():
+                        try:
+                            row[name] = flops / _timed(fn, q, k, v, bool(causal), mode) / 1e9
+                        except Exception as e:  # noqa: BLE001
+                            print(f"# {name} {mode} failed at d={d} causal={causal} S={s}: {type(e).__name__}: {e}",
+                                  file=sys.stderr)
+                            row[name] = None
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+    _report(rows, list(ours), list(peers), args)
+
+
+def _report(rows, ours, peers, args):
+    gpu = torch.cuda.get_device_name()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    try:
+        import cutlass
+
+        dsl = getattr(cutlass, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        dsl = "?"
+    fa2 = "FA2 (SDPA flash)"
+
+    def ratio(r, ref):
+        return f"{r['cute_attn'] / ref:.2f}x" if ref and r.get("cute_attn") else "-"
+
+    for mode in args.modes:
+        sel = [r for r in rows if r["mode"] == mode]
+        cols = [c for c in ours + peers if any(c in r for r in sel)]
+        title = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}[mode]
+        print(f"\n{gpu}, {stamp}, torch {torch.__version__}, nvidia-cutlass-dsl {dsl}, {args.dtype}, "
+              f"{args.tokens} tokens, {title} TFLOP/s\n")
+        print("| d | causal | S | " + " | ".join(cols) + " | cute_attn / FA2 | cute_attn / best peer |")
+        print("|---|---|---|" + "---|" * (len(cols) + 2))
+        for r in sel:
+            best = max((r[p] for p in peers if r.get(p)), default=None)
+            cells = [f"{r[c]:.0f}" if r.get(c) else "-" for c in cols]
+            print(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(cells)
+                  + f" | {ratio(r, r.get(fa2))} | {ratio(r, best)} |")
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"gpu": gpu, "date": stamp, "torch": torch.__version__, "cutlass_dsl": dsl, "dtype": args.dtype}
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    try:
+        for mode in args.modes:
+            sel = [r for r in rows if r["mode"] == mode]
+            _plot(sel, [c for c in ours + peers if any(c in r for r in sel)],
+                  os.path.join(args.out, f"bench_{mode}.png"), f"{gpu} {mode}, {args.dtype}")
+    except Exception as e:  # noqa: BLE001
+        print(f"# plot skipped: {e}", file=sys.stderr)
+
+
+def _plot(rows, cols, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.8), squeeze=False)
+    for ax, (d, c) in zip(axes[0], groups):
+        sel = [r for r in rows if r["head_dim"] == d and r["causal"] == c]
+        for col in cols:
+            ax.plot([r["seqlen"] for r in sel], [r.get(col) or float("nan") for r in sel], marker="o", label=col)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"d={d} causal={c}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
