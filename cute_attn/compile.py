@@ -72,7 +72,13 @@ class BackwardKey:
     causal: bool
     check_hdim: bool
     deterministic: bool
-    traits: BackwardTraits
+    # candidate traits in order of preference (see build_backward); they share the tile_m,
+    # num_warps and dq_warps_m that the pre/postprocess depend on
+    candidates: tuple[BackwardTraits, ...]
+
+    @property
+    def traits(self) -> BackwardTraits:
+        return self.candidates[0]
 
     @property
     def name(self) -> str:
@@ -80,34 +86,42 @@ class BackwardKey:
         return (
             f"bwd_{self.kernel}_{self.target}_{self.dtype}_d{self.head_dim}"
             f"{'_causal' if self.causal else ''}{'_padded' if self.check_hdim else ''}"
-            f"{'_det' if self.deterministic else ''}_m{t.tile_m}n{t.tile_n}w{t.num_warps}"
+            f"{'_det' if self.deterministic else ''}_{t.spec}{'+' if len(self.candidates) > 1 else ''}"
         )
 
 
 @dataclass(frozen=True)
 class RowKernelKey:
-    """Backward preprocess ("bwd_pre") or postprocess ("bwd_post")."""
+    """Backward preprocess ("bwd_pre") or postprocess ("bwd_post"). The postprocess reads the dQ
+    accumulator in the main kernel's dQ MMA layout, so it carries the main kernel's traits."""
 
     kind: str
     target: str
     dtype: str
     head_dim: int
     check_hdim: bool
+    traits: BackwardTraits | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.kind}_{self.target}_{self.dtype}_d{self.head_dim}{'_padded' if self.check_hdim else ''}"
+        return (f"{self.kind}_{self.target}_{self.dtype}_d{self.head_dim}{'_padded' if self.check_hdim else ''}"
+                f"{'_' + self.traits.spec if self.traits else ''}")
 
 
 def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, deterministic: bool,
                   traits: BackwardTraits | None = None):
-    """(preprocess, main, postprocess) keys of one backward variant."""
+    """(preprocess, main) keys of one backward variant; see ``backward_post_key``."""
     padded = padded_head_dim(head_dim)
     check = head_dim != padded
-    main = BackwardKey("sm80", target, dtype, padded, bool(causal), check, bool(deterministic),
-                       traits or sm80_backward_traits(head_dim))
-    return (RowKernelKey("bwd_pre", target, dtype, padded, check), main,
-            RowKernelKey("bwd_post", target, dtype, padded, check))
+    candidates = (traits,) if traits is not None else sm80_backward_traits(head_dim)
+    main = BackwardKey("sm80", target, dtype, padded, bool(causal), check, bool(deterministic), candidates)
+    return RowKernelKey("bwd_pre", target, dtype, padded, check), main
+
+
+def backward_post_key(main: BackwardKey, chosen: BackwardTraits) -> RowKernelKey:
+    """The postprocess for the traits the main kernel was compiled with (it reads the dQ
+    accumulator in that kernel's dQ MMA layout)."""
+    return RowKernelKey("bwd_post", main.target, main.dtype, main.head_dim, main.check_hdim, chosen)
 
 
 def _cutlass_dtype(name: str):
@@ -187,16 +201,25 @@ def build_backward(key, keep_artifacts: bool = False):
         kernel = bwd.BackwardPreprocessSm80(dtype, key.head_dim, key.check_hdim)
         args = (t["o"], t["do"], t["lse"], t["lse_log2"], t["d"], t["dq_accum"])
     elif isinstance(key, RowKernelKey) and key.kind == "bwd_post":
-        kernel = bwd.BackwardPostprocessSm80(dtype, key.head_dim, key.check_hdim)
+        tr = key.traits
+        kernel = bwd.BackwardPostprocessSm80(dtype, key.head_dim, key.check_hdim, tr.tile_m, tr.num_warps, tr.dq_warps_m)
         args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0))
     elif isinstance(key, BackwardKey):
-        tr = key.traits
-        kernel = bwd.FlashAttentionBackwardSm80(
-            dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_warps, tr.sdp_warps_m, tr.dkv_warps_n, tr.dq_warps_m,
-            key.causal, key.check_hdim, key.deterministic,
-        )
+        # like the forward: the first candidate whose cubin needs no local memory
+        from cute_attn.artifacts import cubin_resources
+
         args = (t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["d"], t["dq_accum"], t["dk"], t["dv"], t["sem"],
-                cutlass.Float32(1.0), cutlass.Float32(1.0))
+                cutlass.Float32(1.0), cutlass.Float32(1.0), stream)
+        for i, tr in enumerate(key.candidates):
+            last = i == len(key.candidates) - 1
+            kernel = bwd.FlashAttentionBackwardSm80(
+                dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_warps, tr.sdp_warps_m, tr.dkv_warps_n,
+                tr.dq_warps_m, key.causal, key.check_hdim, key.deterministic,
+            )
+            fn = _compile(kernel, *args, target=key.target, keep_artifacts=keep_artifacts or not last)
+            if last or cubin_resources(fn.__cubin__)["stack_frame"] == 0:
+                fn.traits = tr
+                return fn
     else:
         raise ValueError(f"not a backward key: {key!r}")
     return _compile(kernel, *args, stream, target=key.target, keep_artifacts=keep_artifacts)
@@ -255,6 +278,8 @@ class KernelCache:
     """Compiled kernels by key: in memory, optionally backed by a directory of exported objects.
 
     Thread-safe: concurrent first calls for one key compile it once; other keys proceed in parallel.
+    For keys with several candidate traits, ``chosen(key)`` tells which one was compiled (kept in a
+    small file next to the exported object, so it survives the disk cache).
     """
 
     EXPORT_NAME = "kernel"
@@ -262,6 +287,7 @@ class KernelCache:
     def __init__(self, build: Callable[[Any], Any], disk_dir: str | None = None):
         self._build = build
         self._fns: dict[Any, Any] = {}
+        self._chosen: dict[Any, Any] = {}
         self._lock = threading.Lock()
         self._key_locks: dict[Any, threading.Lock] = {}
         self._disk = Path(disk_dir) if disk_dir else None
@@ -278,9 +304,15 @@ class KernelCache:
                 fn = self._load(key)
                 if fn is None:
                     fn = self._build(key)
+                    self._chosen[key] = getattr(fn, "traits", None)
                     self._store(key, fn)
                 self._fns[key] = fn
         return fn
+
+    def chosen(self, key):
+        """The candidate traits the kernel for ``key`` was compiled with (after ``get``)."""
+        self.get(key)
+        return self._chosen.get(key)
 
     def __contains__(self, key) -> bool:
         return key in self._fns
@@ -301,7 +333,11 @@ class KernelCache:
 
         try:
             module = cute.runtime.load_module(str(self._path(key)), enable_tvm_ffi=True)
-            return getattr(module, self.EXPORT_NAME)
+            fn = getattr(module, self.EXPORT_NAME)
+            index = int(self._path(key).with_suffix(".choice").read_text() or 0)
+            candidates = getattr(key, "candidates", None)
+            self._chosen[key] = candidates[index] if candidates else None
+            return fn
         except Exception:  # a stale or truncated entry is a miss: recompile and replace it
             return None
 
@@ -312,6 +348,8 @@ class KernelCache:
         path = self._path(key)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp.o")
         try:
+            chosen, candidates = getattr(fn, "traits", None), getattr(key, "candidates", None)
+            path.with_suffix(".choice").write_text(str(candidates.index(chosen) if candidates else 0))
             fn.export_to_c(object_file_path=str(tmp), function_name=self.EXPORT_NAME)
             os.replace(tmp, path)
         except Exception:
@@ -378,6 +416,8 @@ def backward_variants(
             for dtype in dtypes:
                 for c in causal:
                     for det in deterministic:
-                        for key in backward_keys(target, dtype, d, c, det):
-                            keys[key] = None
+                        pre, main = backward_keys(target, dtype, d, c, det)
+                        keys[pre] = keys[main] = None
+                        for traits in main.candidates:  # whichever the main kernel ends up with
+                            keys[backward_post_key(main, traits)] = None
     return list(keys)

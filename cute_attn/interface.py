@@ -196,9 +196,11 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determi
     from cute_attn.kernels.sm80.backward import ROW_PAD
 
     plan = dispatch.plan_for_device(q.device)
-    pre, main, post = compile_mod.backward_keys(
-        plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], causal, deterministic, traits=traits
-    )
+    pre, main = compile_mod.backward_keys(plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], causal, deterministic,
+                                          traits=traits)
+    cache = compile_mod.backward_cache
+    chosen = cache.chosen(main)
+    post = compile_mod.backward_post_key(main, chosen)
     batch, seqlen_q, heads, _ = q.shape
     seqlen_q_pad = -(-seqlen_q // ROW_PAD) * ROW_PAD
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -206,10 +208,9 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determi
     delta = torch.empty((batch, heads, seqlen_q_pad), **f32)
     dq_accum = torch.empty((batch, heads, seqlen_q_pad, main.head_dim), **f32)  # zeroed by the preprocess
     if deterministic:
-        sem = torch.zeros((batch, heads, seqlen_q_pad // main.traits.tile_m), dtype=torch.int32, device=q.device)
+        sem = torch.zeros((batch, heads, seqlen_q_pad // chosen.tile_m), dtype=torch.int32, device=q.device)
     else:
         sem = torch.empty((1, 1, 1), dtype=torch.int32, device=q.device)
-    cache = compile_mod.backward_cache
     kernels = cache.get(pre), cache.get(main), cache.get(post)
     with torch.cuda.device(q.device):
         kernels[0](out, dout, lse, lse_log2, delta, dq_accum)

@@ -119,25 +119,54 @@ class BackwardTraits:
     dkv_warps_n: int  # warps along tile_n for dK, dV (the rest along head_dim)
     dq_warps_m: int  # warps along tile_m for dQ (the rest along head_dim)
 
+    @property
+    def spec(self) -> str:
+        """'m64n128w8a2b4c2': tiles, warps, then the S/dP, dK/dV and dQ warp splits."""
+        return (f"m{self.tile_m}n{self.tile_n}w{self.num_warps}"
+                f"a{self.sdp_warps_m}b{self.dkv_warps_n}c{self.dq_warps_m}")
+
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         d, m, n = self.head_dim, self.tile_m, self.tile_n
         # K, V + 2 stages of Q, dO + P, dS (+ LSE, D)
         return elem_bytes * (2 * n * d + 4 * m * d + 2 * m * n) + 2 * 2 * 4 * m
 
 
-# SM80 backward (mma.sync), 8 warps as in FlashAttention-2: per CTA dK and dV of a 128-row K/V
-# tile live in registers (2 x 64 fp32 per thread at d128) while 64-row Q blocks stream by.
+# SM80 backward (mma.sync), 8 warps as in FlashAttention-2: per CTA dK and dV of a K/V tile live in
+# registers while Q blocks stream by. Like the forward table, an entry may list fallbacks (the first
+# that compiles without local memory wins; the dQ postprocess follows the one taken).
 SM80_BACKWARD = {
-    32: BackwardTraits(32, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=4),
-    64: BackwardTraits(64, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=2),
-    96: BackwardTraits(96, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=4),
-    # d128: 160 KB of shared memory, 1 CTA (8 warps) per SM.
-    128: BackwardTraits(128, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=2),
+    32: (BackwardTraits(32, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=4),),
+    # d64: 128x128 tiles ran 5-10% faster than 64x128 (1.05-1.10x FA2) but spill 24-40 bytes in
+    # some causal/fp16 variants, which then take 64x128 (0.95-1.06x FA2); 128x64 never spills but
+    # ran 20% slower.
+    64: (
+        BackwardTraits(64, tile_m=128, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=4),
+        BackwardTraits(64, tile_m=128, tile_n=128, num_warps=8, sdp_warps_m=4, dkv_warps_n=4, dq_warps_m=4),
+        BackwardTraits(64, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=2),
+    ),
+    96: (BackwardTraits(96, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=4),),
+    # d128: FlashAttention-2's 64x128; 160 KB of shared memory, 1 CTA (8 warps) per SM; 1.03-1.12x FA2.
+    # Other warp splits of the S/dP, dK/dV and dQ GEMMs ran 2-12% slower.
+    128: (
+        BackwardTraits(128, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=2, dkv_warps_n=4, dq_warps_m=2),
+        BackwardTraits(128, tile_m=64, tile_n=128, num_warps=8, sdp_warps_m=4, dkv_warps_n=4, dq_warps_m=2),
+    ),
     # d192/d256: 64-row K/V tiles keep dK + dV at 96/128 fp32 registers per thread and smem <= 208 KB.
-    192: BackwardTraits(192, tile_m=64, tile_n=64, num_warps=8, sdp_warps_m=2, dkv_warps_n=2, dq_warps_m=2),
-    256: BackwardTraits(256, tile_m=64, tile_n=64, num_warps=8, sdp_warps_m=2, dkv_warps_n=2, dq_warps_m=2),
+    192: (BackwardTraits(192, tile_m=64, tile_n=64, num_warps=8, sdp_warps_m=2, dkv_warps_n=2, dq_warps_m=2),),
+    256: (BackwardTraits(256, tile_m=64, tile_n=64, num_warps=8, sdp_warps_m=2, dkv_warps_n=2, dq_warps_m=2),),
 }
 
 
-def sm80_backward_traits(head_dim: int) -> BackwardTraits:
+def sm80_backward_traits(head_dim: int) -> tuple[BackwardTraits, ...]:
+    """The backward candidates for ``head_dim``, in order of preference."""
     return SM80_BACKWARD[padded_head_dim(head_dim)]
+
+
+def parse_backward_traits(spec: str, head_dim: int) -> BackwardTraits:
+    """'m64n128w8a2b4c2' -> BackwardTraits (for tools and sweeps)."""
+    import re
+
+    m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)a(\d+)b(\d+)c(\d+)", spec)
+    if not m:
+        raise ValueError(f"backward traits spec must look like m64n128w8a2b4c2, got {spec!r}")
+    return BackwardTraits(padded_head_dim(head_dim), *map(int, m.groups()))

@@ -9,7 +9,6 @@ from cute_attn import artifacts
 from cute_attn.compile import (
     TARGETS,
     BackwardKey,
-    backward_keys,
     backward_variants,
     build,
     build_forward,
@@ -42,7 +41,11 @@ BWD_SUBSET = [  # (head_dim, dtype, causal, deterministic)
 def _bwd_keys(all_variants):
     if all_variants:
         return backward_variants(TARGETS, HEAD_DIMS + (72,), deterministic=(False, True))
-    keys = {k: None for t in TARGETS for d, dt, c, det in BWD_SUBSET for k in backward_keys(t, dt, d, c, det)}
+    keys = {
+        k: None
+        for t in TARGETS for d, dt, c, det in BWD_SUBSET
+        for k in backward_variants([t], [d], [dt], [c], [det])
+    }
     return list(keys)
 
 

@@ -76,6 +76,36 @@ def _cute_attn_runners(sweep: list[str]):
     return runners
 
 
+def _cute_attn_backward_runners(sweep: list[str]):
+    """cute_attn with other backward traits: an autograd function over forward + _launch_backward."""
+    import cute_attn
+    from cute_attn.interface import _launch_backward
+    from cute_attn.traits import parse_backward_traits
+
+    runners = {}
+    for spec in sweep:
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, causal, spec=spec):
+                out, lse = cute_attn.forward(q, k, v, causal=causal, return_lse=True)
+                ctx.save_for_backward(q, k, v, out, lse)
+                ctx.causal, ctx.spec = causal, spec
+                return out
+
+            @staticmethod
+            def backward(ctx, dout):
+                q, k, v, out, lse = ctx.saved_tensors
+                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                traits = parse_backward_traits(ctx.spec, q.shape[3])
+                _launch_backward(dout.contiguous(), q, k, v, out, lse, dq, dk, dv, ctx.causal,
+                                 1 / math.sqrt(q.shape[3]), False, traits=traits)
+                return dq, dk, dv, None
+
+        runners[f"cute_attn bwd {spec}"] = lambda q, k, v, causal, Fn=Fn: Fn.apply(q, k, v, causal)
+    return runners
+
+
 def _timed(fn, q, k, v, causal: bool, mode: str) -> float:
     """Milliseconds for one forward, one backward, or both."""
     if mode == "fwd":
@@ -104,16 +134,18 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwdbwd"], default=["fwd"])
     p.add_argument("--sweep", nargs="*", default=[], help="extra cute_attn SM80 forward traits, e.g. m128n64w4s2")
+    p.add_argument("--bwd-sweep", nargs="*", default=[], help="extra cute_attn SM80 backward traits, e.g. m64n128w8a2b4c2")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--out", default="bench_results", help="directory for JSON and PNG")
     args = p.parse_args(argv)
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     ours = _cute_attn_runners(args.sweep)
+    ours_bwd = _cute_attn_backward_runners(args.bwd_sweep)
     peers = {} if args.no_peers else _peers()
     rows = []
     for mode in args.modes:
-        impls = {**ours, **peers} if mode == "fwd" else {"cute_attn": ours["cute_attn"], **peers}
+        impls = {**ours, **peers} if mode == "fwd" else {"cute_attn": ours["cute_attn"], **ours_bwd, **peers}
         for d in args.head_dims:
             for causal in args.causal:
                 for s in args.seqlens:
@@ -131,7 +163,7 @@ def main(argv=None):
                             row[name] = None
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
-    _report(rows, list(ours), list(peers), args)
+    _report(rows, list(ours) + list(ours_bwd), list(peers), args)
 
 
 def _report(rows, ours, peers, args):

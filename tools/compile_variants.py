@@ -58,6 +58,7 @@ def main(argv=None):
     p.add_argument("--direction", nargs="+", choices=["fwd", "bwd"], default=["fwd"],
                    help="forward kernels, backward kernels (preprocess, main, postprocess), or both")
     p.add_argument("--deterministic", choices=["0", "1", "both"], default="0", help="backward dQ ordering")
+    p.add_argument("--bwd-traits", nargs="*", default=[], help="backward traits instead of the table, e.g. m64n128w8a2b4c2")
     p.add_argument("--traits", nargs="*", default=[],
                    help="instead of the traits table, these SM80 forward traits, e.g. m128n64w4s2")
     args = p.parse_args(argv)
@@ -73,7 +74,23 @@ def main(argv=None):
         keys += forward_variants(args.arch, args.head_dim, args.dtype, causal)
     if "bwd" in args.direction:
         det = {"0": [False], "1": [True], "both": [False, True]}[args.deterministic]
-        keys += backward_variants(args.arch, args.head_dim, args.dtype, causal, det)
+        if args.bwd_traits:
+            from cute_attn.compile import backward_keys, backward_post_key
+            from cute_attn.traits import parse_backward_traits
+
+            found: dict = {}
+            for spec in args.bwd_traits:
+                for t in args.arch:
+                    for d in args.head_dim:
+                        traits = parse_backward_traits(spec, d)
+                        for dt in args.dtype:
+                            for c in causal:
+                                for de in det:
+                                    pre, main = backward_keys(t, dt, d, c, de, traits=traits)
+                                    found[pre] = found[main] = found[backward_post_key(main, traits)] = None
+            keys += list(found)
+        else:
+            keys += backward_variants(args.arch, args.head_dim, args.dtype, causal, det)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     reports = []

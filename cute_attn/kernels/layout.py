@@ -5,7 +5,6 @@ and the masks want to walk it by (row, column) instead, and the second GEMM want
 of S in the A-operand layout. These helpers build those views without moving any data.
 """
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import const_expr
 

@@ -23,7 +23,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from cute_attn.kernels import block_info
@@ -37,6 +37,19 @@ ROW_PAD = 128
 
 def _elem_ptr(t: cute.Tensor, i):
     return t.iterator + cute.crd2idx(i, t.layout)
+
+
+def dq_accum_thread_view(mdQ_accum: cute.Tensor, batch, head, m_block, tile_m: int, head_dim: int,
+                         num_threads: int, num_values: int, tidx) -> cute.Tensor:
+    """This thread's ``num_values`` slots of one Q block's fp32 dQ accumulator.
+
+    A Q block's tile_m x head_dim floats are contiguous; the dQ MMA's thread ``tidx`` owns slots
+    tidx, tidx + num_threads, tidx + 2 num_threads, ... in the order of its accumulator fragment.
+    Consecutive threads thus add to consecutive floats (one 128-byte line per warp instruction,
+    instead of 8 half-used sectors in row-major order); the postprocess reads the slots back with
+    the same MMA partition to put each value at its (row, column)."""
+    block = cute.local_tile(mdQ_accum[batch, head, None, None], (tile_m, head_dim), (m_block, 0))
+    return cute.make_tensor(block.iterator + tidx, cute.make_layout(num_values, stride=num_threads))
 
 
 class BackwardPreprocessSm80:
@@ -436,8 +449,8 @@ class FlashAttentionBackwardSm80:
         acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
         acc_dQ.fill(0.0)
         common.gemm(mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt, ldsm_dq_A, ldsm_dq_B)
-        gdQ = cute.local_tile(mdQ_accum[batch, head, None, None], (tm, d), (m_block, 0))
-        tdQgdQ = thr_dq.partition_C(gdQ)
+        tdQgdQ = dq_accum_thread_view(mdQ_accum, batch, head, m_block, tm, d, self.num_threads, cute.size(acc_dQ),
+                                      cute.arch.thread_idx()[0])
         if const_expr(not self.deterministic):
             for i in cutlass.range_constexpr(cute.size(acc_dQ)):
                 cute.arch.atomic_add(_elem_ptr(tdQgdQ, i), acc_dQ[i])
@@ -458,49 +471,52 @@ class FlashAttentionBackwardSm80:
 
 
 class BackwardPostprocessSm80:
-    """dQ = dQ_accum * softmax_scale in the input dtype, one (Q block, head, batch) per CTA."""
+    """dQ = dQ_accum * softmax_scale in the input dtype, one (Q block, head, batch) per CTA.
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, check_hdim: bool, tile_m: int = 64,
-                 num_threads: int = 128):
+    Reads each thread's slots of the accumulator (see ``dq_accum_thread_view``) into the main
+    kernel's dQ MMA fragment layout, then writes through shared memory like any accumulator tile."""
+
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, check_hdim: bool, tile_m: int,
+                 num_warps: int, dq_warps_m: int):
         self.dtype = dtype
         self.head_dim = head_dim
         self.check_hdim = check_hdim
         self.tile_m = tile_m
-        self.num_threads = num_threads
+        self.num_warps = num_warps
+        self.num_threads = num_warps * 32
+        self.dq_warps_m = dq_warps_m
 
     @cute.jit
     def __call__(self, mdQ_accum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream):
-        # 8 elements per thread: two 128-bit fp32 loads, one 128-bit fp16/bf16 store
-        # the same thread -> (row, 8 columns) assignment for the fp32 loads and the 16-bit stores
+        sdQ_layout = cute.tile_to_shape(common.smem_layout_atom(self.dtype, self.head_dim),
+                                        (self.tile_m, self.head_dim), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)], 1024]
+
         copy_store = common.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, asynchronous=False)
-        threads_per_row = (64 if self.head_dim % 64 == 0 else 32) // 8
-        copy_load = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
-            cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, 8)),
-        )
-        self.kernel(mdQ_accum, mdQ, softmax_scale, copy_load, copy_store).launch(
+        mma_dq = common.tiled_mma(self.dtype, self.num_warps, warps_n=self.num_warps // self.dq_warps_m)
+        self.kernel(mdQ_accum, mdQ, softmax_scale, sdQ_layout, copy_store, mma_dq, SharedStorage).launch(
             grid=(cute.ceil_div(mdQ.shape[1], self.tile_m), cute.size(mdQ.shape[2]), cute.size(mdQ.shape[0])),
             block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mdQ_accum, mdQ, softmax_scale: Float32, copy_load: cute.TiledCopy, copy_store: cute.TiledCopy):
+    def kernel(self, mdQ_accum, mdQ, softmax_scale: Float32, sdQ_layout: cute.ComposedLayout,
+               copy_store: cute.TiledCopy, mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         tile = (self.tile_m, self.head_dim)
-        gAcc = cute.local_tile(mdQ_accum[batch, head, None, None], tile, (m_block, 0))
+        acc = cute.make_rmem_tensor(mma_dq.get_slice(tidx).partition_shape_C(tile), Float32)
+        slots = dq_accum_thread_view(mdQ_accum, batch, head, m_block, self.tile_m, self.head_dim,
+                                     self.num_threads, cute.size(acc), tidx)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = slots[i] * softmax_scale
+        rdQ = convert(acc, self.dtype)
+        sdQ = cutlass.memory.SmemAllocator().allocate(SharedStorage).sdQ.get_tensor(sdQ_layout)
         gdQ = cute.local_tile(mdQ[batch, None, head, None], tile, (m_block, 0))
-        thr_load = copy_load.get_slice(tidx)
-        thr_store = copy_store.get_slice(tidx)
-        tAg = thr_load.partition_S(gAcc)
-        acc = cute.make_fragment_like(tAg)
-        cute.copy(copy_load, tAg, acc)
-        tdQg = thr_store.partition_D(gdQ)
-        rdQ = cute.make_fragment_like(tdQg)
-        for i in cutlass.range_constexpr(cute.size(rdQ)):
-            rdQ[i] = (acc[i] * softmax_scale).to(self.dtype)
-        coords = thr_store.partition_S(cute.make_identity_tensor(tile))
-        common.store_rows(copy_store, rdQ, tdQg, coords, mdQ.shape[1] - m_block * self.tile_m, mdQ.shape[3],
-                          self.check_hdim)
+        common.store_acc_tile(rdQ, sdQ, mma_dq, copy_store, gdQ, tidx, mdQ.shape[1] - m_block * self.tile_m,
+                              mdQ.shape[3], self.check_hdim)

@@ -8,7 +8,7 @@
 - ``copy_rows``: a predicated tile copy for the sequence and head-dim boundaries (zero-fill).
 """
 
-from typing import Optional, Type
+from typing import Type
 
 import cutlass
 import cutlass.cute as cute
@@ -123,6 +123,32 @@ def gemm_rs(
 
 
 @cute.jit
+def _vector_predicate(
+    dst: cute.Tensor,
+    coords: cute.Tensor,
+    m: cutlass.Constexpr[int],
+    rows_left: Int32,
+    cols_valid: Int32,
+    check_rows: cutlass.Constexpr[bool],
+    check_cols: cutlass.Constexpr[bool],
+) -> cute.Tensor:
+    """One bool per 128-bit vector of row ``m`` of a (CPY, CPY_ROWS, CPY_COLS) partition."""
+    pred = cute.make_rmem_tensor(
+        cute.make_layout((cute.size(dst.shape[0][1]), cute.size(dst.shape[2])), stride=(cute.size(dst.shape[2]), 1)),
+        Boolean,
+    )
+    for v in cutlass.range_constexpr(cute.size(pred.shape[0])):
+        for k in cutlass.range_constexpr(cute.size(pred.shape[1])):
+            ok = Boolean(True)
+            if const_expr(check_rows):
+                ok = coords[(0, v), m, k][0] < rows_left
+            if const_expr(check_cols):
+                ok = ok & (coords[(0, v), m, k][1] < cols_valid)
+            pred[v, k] = ok
+    return pred
+
+
+@cute.jit
 def copy_rows(
     tiled_copy: cute.TiledCopy,
     src: cute.Tensor,
@@ -140,21 +166,7 @@ def copy_rows(
         cute.copy(tiled_copy, src, dst)
     else:
         for m in cutlass.range_constexpr(cute.size(dst.shape[1])):
-            pred = cute.make_rmem_tensor(
-                cute.make_layout(
-                    (cute.size(dst.shape[0][1]), cute.size(dst.shape[2])),
-                    stride=(cute.size(dst.shape[2]), 1),
-                ),
-                Boolean,
-            )
-            for v in cutlass.range_constexpr(cute.size(pred.shape[0])):
-                for k in cutlass.range_constexpr(cute.size(pred.shape[1])):
-                    ok = Boolean(True)
-                    if const_expr(check_rows):
-                        ok = coords[(0, v), m, k][0] < rows_left
-                    if const_expr(check_cols):
-                        ok = ok & (coords[(0, v), m, k][1] < cols_valid)
-                    pred[v, k] = ok
+            pred = _vector_predicate(dst, coords, m, rows_left, cols_valid, check_rows, check_cols)
             cute.copy(tiled_copy, src[None, m, None], dst[None, m, None], pred=pred)
 
 
@@ -172,16 +184,7 @@ def store_rows(
     for m in cutlass.range_constexpr(cute.size(dst.shape[1])):
         if coords[0, m, 0][0] < rows_left:
             if const_expr(check_cols):
-                pred = cute.make_rmem_tensor(
-                    cute.make_layout(
-                        (cute.size(dst.shape[0][1]), cute.size(dst.shape[2])),
-                        stride=(cute.size(dst.shape[2]), 1),
-                    ),
-                    Boolean,
-                )
-                for v in cutlass.range_constexpr(cute.size(pred.shape[0])):
-                    for k in cutlass.range_constexpr(cute.size(pred.shape[1])):
-                        pred[v, k] = coords[(0, v), m, k][1] < cols_valid
+                pred = _vector_predicate(dst, coords, m, rows_left, cols_valid, False, True)
                 cute.copy(tiled_copy, src[None, m, None], dst[None, m, None], pred=pred)
             else:
                 cute.copy(tiled_copy, src[None, m, None], dst[None, m, None])
