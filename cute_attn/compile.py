@@ -13,6 +13,7 @@ current CUDA stream. Caches:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -54,6 +55,7 @@ class ForwardKey:
         )
 
 
+@functools.lru_cache(maxsize=None)
 def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capacity: int | None = None,
                 traits: ForwardTraits | None = None) -> ForwardKey:
     padded = padded_head_dim(head_dim)
@@ -108,6 +110,7 @@ class RowKernelKey:
                 f"{'_' + self.traits.spec if self.traits else ''}")
 
 
+@functools.lru_cache(maxsize=None)
 def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, deterministic: bool,
                   traits: BackwardTraits | None = None):
     """(preprocess, main) keys of one backward variant; see ``backward_post_key``."""

@@ -7,10 +7,10 @@ Warps are stacked along the Q rows: every warp owns whole rows of S, so the soft
 quad shuffles, never shared memory.
 
 Per K/V block n (``_attend_block``):
-    wait for K[n] -> issue cp.async for a later V -> S = Q K[n]^T -> mask -> online softmax
-    -> wait for V[n] -> issue cp.async for a later K -> O += P V[n]
+    wait for K[n] -> issue cp.async for V[n-1] -> S = Q K[n]^T -> mask -> online softmax
+    -> wait for V[n] -> O += P V[n] -> issue cp.async for K[n-2]
 K and V each have ``num_stages`` shared-memory buffers, so with 2 stages the loads of blocks
-n-1 and n-2 overlap the MMAs of block n.
+n-1 and n-2 overlap the MMAs of block n. (With one stage K[n-1] is issued right after S.)
 """
 
 from functools import partial
