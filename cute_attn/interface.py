@@ -200,6 +200,12 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determi
                                           traits=traits)
     cache = compile_mod.backward_cache
     chosen = cache.chosen(main)
+    if chosen.smem_bytes() > plan.smem_capacity:
+        # the backward traits are sized for H100/A100; smaller GPUs (sm_86/89) get a clear error
+        raise NotImplementedError(
+            f"the backward for head_dim {q.shape[3]} needs {chosen.smem_bytes() // 1024} KB of shared memory per "
+            f"block; this GPU offers {plan.smem_capacity // 1024} KB"
+        )
     post = compile_mod.backward_post_key(main, chosen)
     batch, seqlen_q, heads, _ = q.shape
     seqlen_q_pad = -(-seqlen_q // ROW_PAD) * ROW_PAD
