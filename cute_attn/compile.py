@@ -74,8 +74,8 @@ class BackwardKey:
     causal: bool
     check_hdim: bool
     deterministic: bool
-    # candidate traits in order of preference (see build_backward); they share the tile_m,
-    # num_warps and dq_warps_m that the pre/postprocess depend on
+    # candidate traits in order of preference (see build_backward); the postprocess follows the
+    # one taken (backward_post_key)
     candidates: tuple[BackwardTraits, ...]
 
     @property
@@ -208,21 +208,17 @@ def build_backward(key, keep_artifacts: bool = False):
         kernel = bwd.BackwardPostprocessSm80(dtype, key.head_dim, key.check_hdim, tr.tile_m, tr.num_warps, tr.dq_warps_m)
         args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0))
     elif isinstance(key, BackwardKey):
-        # like the forward: the first candidate whose cubin needs no local memory
-        from cute_attn.artifacts import cubin_resources
-
         args = (t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["d"], t["dq_accum"], t["dk"], t["dv"], t["sem"],
                 cutlass.Float32(1.0), cutlass.Float32(1.0), stream)
-        for i, tr in enumerate(key.candidates):
-            last = i == len(key.candidates) - 1
+
+        def compile_one(tr, keep):
             kernel = bwd.FlashAttentionBackwardSm80(
                 dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_warps, tr.sdp_warps_m, tr.dkv_warps_n,
                 tr.dq_warps_m, key.causal, key.check_hdim, key.deterministic,
             )
-            fn = _compile(kernel, *args, target=key.target, keep_artifacts=keep_artifacts or not last)
-            if last or cubin_resources(fn.__cubin__)["stack_frame"] == 0:
-                fn.traits = tr
-                return fn
+            return _compile(kernel, *args, target=key.target, keep_artifacts=keep)
+
+        return _first_without_local_memory(key.candidates, compile_one, keep_artifacts)
     else:
         raise ValueError(f"not a backward key: {key!r}")
     return _compile(kernel, *args, stream, target=key.target, keep_artifacts=keep_artifacts)
@@ -244,18 +240,26 @@ def _compile(kernel, *args, target: str, keep_artifacts: bool, ptxas_options: st
         return cute.compile(kernel, *args, options=f"{options} --keep-ptx --keep-cubin --dump-dir {tmp}")
 
 
-def build_forward(key: ForwardKey, keep_artifacts: bool = False):
-    """Compile one forward variant (no GPU needed): the first candidate traits whose cubin uses no
-    local memory (the last candidate regardless). ``keep_artifacts`` keeps PTX and cubin on the
-    returned object (``__ptx__``, ``__cubin__``); ``.traits`` tells which candidate was taken."""
+def _first_without_local_memory(candidates, compile_one: Callable, keep_artifacts: bool):
+    """Compile the candidates in order and return the first whose cubin needs no local memory (the
+    last one regardless); ``.traits`` on the result tells which candidate was taken."""
     from cute_attn.artifacts import cubin_resources
 
-    for i, traits in enumerate(key.candidates):
-        last = i == len(key.candidates) - 1
-        fn = _build_forward_traits(key, traits, keep_artifacts or not last)
+    for i, traits in enumerate(candidates):
+        last = i == len(candidates) - 1
+        fn = compile_one(traits, keep_artifacts or not last)
         if last or cubin_resources(fn.__cubin__)["stack_frame"] == 0:
             fn.traits = traits
             return fn
+
+
+def build_forward(key: ForwardKey, keep_artifacts: bool = False):
+    """Compile one forward variant (no GPU needed): the first candidate traits that compiles
+    without local memory. ``keep_artifacts`` keeps PTX and cubin on the returned object
+    (``__ptx__``, ``__cubin__``)."""
+    return _first_without_local_memory(
+        key.candidates, lambda traits, keep: _build_forward_traits(key, traits, keep), keep_artifacts
+    )
 
 
 def _build_forward_traits(key: ForwardKey, t: ForwardTraits, keep_artifacts: bool):
@@ -411,15 +415,20 @@ def backward_variants(
     dtypes: Iterable[str] = DTYPES,
     causal: Iterable[bool] = (False, True),
     deterministic: Iterable[bool] = (False,),
+    spec: str | None = None,
 ) -> list:
-    """Every backward kernel (pre/main/post, deduplicated) over the given axes."""
+    """Every backward kernel (pre/main/post, deduplicated) over the given axes; ``spec`` (e.g.
+    'm64n128w8a2b4c2') replaces the traits table."""
+    from cute_attn.traits import parse_backward_traits
+
     keys: dict = {}
     for target in targets:
         for d in head_dims:
+            traits = parse_backward_traits(spec, d) if spec else None
             for dtype in dtypes:
                 for c in causal:
                     for det in deterministic:
-                        pre, main = backward_keys(target, dtype, d, c, det)
+                        pre, main = backward_keys(target, dtype, d, c, det, traits=traits)
                         keys[pre] = keys[main] = None
                         for traits in main.candidates:  # whichever the main kernel ends up with
                             keys[backward_post_key(main, traits)] = None

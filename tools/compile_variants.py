@@ -74,23 +74,8 @@ def main(argv=None):
         keys += forward_variants(args.arch, args.head_dim, args.dtype, causal)
     if "bwd" in args.direction:
         det = {"0": [False], "1": [True], "both": [False, True]}[args.deterministic]
-        if args.bwd_traits:
-            from cute_attn.compile import backward_keys, backward_post_key
-            from cute_attn.traits import parse_backward_traits
-
-            found: dict = {}
-            for spec in args.bwd_traits:
-                for t in args.arch:
-                    for d in args.head_dim:
-                        traits = parse_backward_traits(spec, d)
-                        for dt in args.dtype:
-                            for c in causal:
-                                for de in det:
-                                    pre, main = backward_keys(t, dt, d, c, de, traits=traits)
-                                    found[pre] = found[main] = found[backward_post_key(main, traits)] = None
-            keys += list(found)
-        else:
-            keys += backward_variants(args.arch, args.head_dim, args.dtype, causal, det)
+        for spec in args.bwd_traits or [None]:
+            keys += backward_variants(args.arch, args.head_dim, args.dtype, causal, det, spec=spec)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     reports = []
