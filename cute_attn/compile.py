@@ -25,9 +25,11 @@ from typing import Any, Callable, Iterable
 from cute_attn.traits import (
     BackwardTraits,
     ForwardTraits,
+    Sm90ForwardTraits,
     padded_head_dim,
     sm80_backward_traits,
     sm80_forward_traits,
+    sm90_forward_traits,
 )
 
 DTYPES = ("bf16", "fp16")
@@ -37,7 +39,7 @@ TARGETS = ("sm_80", "sm_90a")
 
 @dataclass(frozen=True)
 class ForwardKey:
-    kernel: str  # kernel family: "sm80"
+    kernel: str  # kernel family: "sm80" | "sm90"
     target: str  # code-generation target: "sm_80", "sm_86", "sm_90a", ...
     dtype: str  # "bf16" | "fp16"
     head_dim: int  # padded head dim
@@ -57,10 +59,20 @@ class ForwardKey:
 
 @functools.lru_cache(maxsize=None)
 def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capacity: int | None = None,
-                traits: ForwardTraits | None = None) -> ForwardKey:
+                traits=None, kernel: str = "sm80") -> ForwardKey:
+    """The forward variant for these parameters. ``kernel="sm90"`` (only for target sm_90a) falls
+    back to the SM80 kernel where the SM90 table has no entry that fits ``smem_capacity``; explicit
+    ``traits`` pick the family they belong to."""
     padded = padded_head_dim(head_dim)
-    candidates = (traits,) if traits is not None else sm80_forward_traits(head_dim, causal, smem_capacity)
-    return ForwardKey("sm80", target, dtype, padded, bool(causal), head_dim != padded, candidates)
+    if traits is not None:
+        kernel, candidates = ("sm90" if isinstance(traits, Sm90ForwardTraits) else "sm80"), (traits,)
+    elif kernel == "sm90" and target == "sm_90a" and sm90_forward_traits(head_dim, smem_capacity):
+        candidates = sm90_forward_traits(head_dim, smem_capacity)
+    else:
+        kernel, candidates = "sm80", sm80_forward_traits(head_dim, causal, smem_capacity)
+    if kernel == "sm90" and target != "sm_90a":
+        raise ValueError(f"the SM90 forward kernel needs target sm_90a, got {target}")
+    return ForwardKey(kernel, target, dtype, padded, bool(causal), head_dim != padded, candidates)
 
 
 @dataclass(frozen=True)
@@ -262,21 +274,30 @@ def build_forward(key: ForwardKey, keep_artifacts: bool = False):
     )
 
 
-def _build_forward_traits(key: ForwardKey, t: ForwardTraits, keep_artifacts: bool):
+def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
     import cutlass
     import cutlass.cute as cute
 
-    from cute_attn.kernels.sm80.forward import FlashAttentionForwardSm80
+    dtype = _cutlass_dtype(key.dtype)
+    if key.kernel == "sm80":
+        from cute_attn.kernels.sm80.forward import FlashAttentionForwardSm80
 
-    if key.kernel != "sm80":
+        kernel = FlashAttentionForwardSm80(
+            dtype, key.head_dim, t.tile_m, t.tile_n, t.num_warps, t.num_stages, key.causal, key.check_hdim, t.pv_chunks,
+        )
+        ptxas = "" if t.reg_level is None else f"--register-usage-level={t.reg_level}"
+    elif key.kernel == "sm90":
+        from cute_attn.kernels.sm90.forward import FlashAttentionForwardSm90
+
+        kernel = FlashAttentionForwardSm90(
+            dtype, key.head_dim, t.tile_m, t.tile_n, t.num_stages, key.causal, key.check_hdim,
+            intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong,
+        )
+        ptxas = ""
+    else:
         raise ValueError(f"unknown forward kernel family {key.kernel!r}")
-    kernel = FlashAttentionForwardSm80(
-        _cutlass_dtype(key.dtype), key.head_dim, t.tile_m, t.tile_n, t.num_warps, t.num_stages,
-        key.causal, key.check_hdim, t.pv_chunks,
-    )
-    q, k, v, o, lse = _fake_attention_tensors(_cutlass_dtype(key.dtype))
+    q, k, v, o, lse = _fake_attention_tensors(dtype)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    ptxas = "" if t.reg_level is None else f"--register-usage-level={t.reg_level}"
     return _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), stream,
                     target=key.target, keep_artifacts=keep_artifacts, ptxas_options=ptxas)
 
@@ -398,15 +419,20 @@ def forward_variants(
     head_dims: Iterable[int] = (32, 64, 96, 128, 192, 256),
     dtypes: Iterable[str] = DTYPES,
     causal: Iterable[bool] = (False, True),
+    kernels: Iterable[str] = ("sm80", "sm90"),
 ) -> list[ForwardKey]:
-    """Every forward variant over the given axes (ahead-of-time lists for tools/ and tests)."""
-    return [
-        forward_key(target, dtype, d, c)
+    """Every forward variant over the given axes (ahead-of-time lists for tools/ and tests): each
+    kernel family on each target it runs on (SM90 only on sm_90a)."""
+    keys = {
+        forward_key(target, dtype, d, c, kernel=kernel): None
+        for kernel in kernels
         for target in targets
+        if kernel == "sm80" or target == "sm_90a"
         for d in head_dims
         for dtype in dtypes
         for c in causal
-    ]
+    }
+    return list(keys)
 
 
 def backward_variants(

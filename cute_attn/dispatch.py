@@ -1,11 +1,13 @@
 """The only place that looks at the GPU: compute capability -> kernel family and code target.
 
 - 8.x runs the SM80 kernels (mma.sync, cp.async, ldmatrix), compiled for that exact target.
-- 9.0 runs the SM80 kernels too, compiled for sm_90a (until an SM90 kernel exists).
+- 9.0 runs the SM90 forward (wgmma, TMA, warp specialisation), compiled for sm_90a; a head dim
+  without an SM90 traits entry that fits falls back to the SM80 forward (compile.forward_key).
+  The backward is the SM80 kernel on both.
 - anything else raises.
 
-``CUTE_ATTN_ARCH=sm80`` (or the ``force_arch("sm80")`` context manager) forces a kernel family,
-for tests and comparisons; forcing a family the GPU cannot run raises.
+``CUTE_ATTN_ARCH=sm80|sm90`` (or the ``force_arch("sm80")`` context manager) forces a kernel
+family, for tests and comparisons: on Hopper both run; forcing sm90 on a GPU that is not 9.0 raises.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import os
 import threading
 from dataclasses import dataclass
 
-KERNEL_FAMILIES = ("sm80",)
+KERNEL_FAMILIES = ("sm80", "sm90")
 _forced = threading.local()
 
 
 @dataclass(frozen=True)
 class DevicePlan:
-    kernel: str  # "sm80"
+    kernel: str  # forward kernel family: "sm80" | "sm90"
     target: str  # "sm_80", "sm_86", "sm_89", "sm_90a", ...
     smem_capacity: int  # opt-in shared memory per block, bytes
 
@@ -73,5 +75,7 @@ def plan_for_device(device) -> DevicePlan:
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, minor, smem = _device_facts(index)
     target = target_for_capability(major, minor)
-    kernel = _requested_kernel() or "sm80"
+    kernel = _requested_kernel() or ("sm90" if target == "sm_90a" else "sm80")
+    if kernel == "sm90" and target != "sm_90a":
+        raise ValueError(f"the sm90 kernels need compute capability 9.0; this GPU is {major}.{minor}")
     return DevicePlan(kernel, target, smem)

@@ -132,7 +132,8 @@ def _launch_forward(q, k, v, out, lse, causal: bool, scale: float, traits=None) 
     """Launch on validated tensors. ``traits`` overrides the table (tools/bench.py --sweep)."""
     plan = dispatch.plan_for_device(q.device)
     key = compile_mod.forward_key(
-        plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], causal, plan.smem_capacity, traits=traits
+        plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], causal, plan.smem_capacity, traits=traits,
+        kernel=plan.kernel,
     )
     kernel = compile_mod.forward_cache.get(key)
     with torch.cuda.device(q.device):

@@ -68,6 +68,41 @@ SM80_FORWARD = {
 }
 
 
+@dataclass(frozen=True)
+class Sm90ForwardTraits:
+    """Hopper forward: one producer warpgroup plus tile_m / 64 consumer warpgroups."""
+
+    head_dim: int
+    tile_m: int  # 64 rows per consumer warpgroup
+    tile_n: int  # K/V rows per block (the N of S = Q K^T's wgmma, the K of P V's)
+    num_stages: int  # shared-memory buffers for each of K and V
+    intra_wg_overlap: bool = True  # issue the next Q K^T before this block's softmax
+    pingpong: bool = True  # named barriers alternate the consumer warpgroups' GEMMs
+
+    @property
+    def spec(self) -> str:
+        """'m128n128s2' (+ 'o0' without intra-warpgroup overlap, 'p0' without ping-pong)."""
+        return (f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
+                f"{'' if self.intra_wg_overlap else 'o0'}{'' if self.pingpong else 'p0'}")
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        return elem_bytes * self.head_dim * (self.tile_m + 2 * self.num_stages * self.tile_n) + 1024
+
+
+# SM90 forward (wgmma, TMA, warp specialisation): one CTA per SM, so the tiles take as much of the
+# 227 KB of shared memory as helps. Measured on H100 (tools/bench.py --sweep; docs/performance.md).
+SM90_FORWARD = {
+    32: (Sm90ForwardTraits(32, tile_m=192, tile_n=128, num_stages=2),),
+    64: (Sm90ForwardTraits(64, tile_m=192, tile_n=128, num_stages=2),),
+    96: (Sm90ForwardTraits(96, tile_m=128, tile_n=128, num_stages=2),),
+    # d128: ping-pong on top of the intra-warpgroup overlap measured 0-7% slower (S 1024-16384,
+    # causal and not), so d128 runs the overlap alone; either one alone beats neither by 5-15%.
+    128: (Sm90ForwardTraits(128, tile_m=128, tile_n=128, num_stages=2, pingpong=False),),
+    192: (Sm90ForwardTraits(192, tile_m=128, tile_n=112, num_stages=2),),
+    256: (Sm90ForwardTraits(256, tile_m=128, tile_n=80, num_stages=2),),
+}
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The traits entry that serves ``head_dim`` (the smallest entry >= head_dim)."""
     for d in HEAD_DIMS:
@@ -88,15 +123,22 @@ def fit_to_smem(traits: ForwardTraits, smem_capacity: int) -> ForwardTraits:
     return traits
 
 
-def parse_traits(spec: str, head_dim: int) -> ForwardTraits:
-    """'m128n64w4s2' (optionally followed by 'c2' and/or 'r3') -> ForwardTraits, for tools and sweeps."""
+def parse_traits(spec: str, head_dim: int):
+    """A traits spec for tools and sweeps -> traits. SM80: 'm128n64w4s2' (optionally followed by
+    'c2' and/or 'r3'); SM90: 'm128n128s2' (optionally 'o0', 'p0')."""
     import re
 
+    d = padded_head_dim(head_dim)
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(o0)?(p0)?", spec)
+    if m:
+        tile_m, tile_n, stages, no_overlap, no_pingpong = m.groups()
+        return Sm90ForwardTraits(d, int(tile_m), int(tile_n), int(stages), not no_overlap, not no_pingpong)
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(?:c(\d+))?(?:r(\d+))?", spec)
     if not m:
-        raise ValueError(f"traits spec must look like m128n64w4s2 (or m128n64w4s2c2r3), got {spec!r}")
+        raise ValueError(f"traits spec must look like m128n64w4s2 (SM80, optionally c2/r3) or m128n128s2 "
+                         f"(SM90, optionally o0/p0), got {spec!r}")
     tile_m, tile_n, warps, stages, chunks, level = m.groups()
-    return ForwardTraits(padded_head_dim(head_dim), int(tile_m), int(tile_n), int(warps), int(stages),
+    return ForwardTraits(d, int(tile_m), int(tile_n), int(warps), int(stages),
                          int(level) if level is not None else None, int(chunks) if chunks is not None else 1)
 
 
@@ -107,6 +149,12 @@ def sm80_forward_traits(head_dim: int, causal: bool = False,
     if smem_capacity:
         candidates = tuple(dict.fromkeys(fit_to_smem(t, smem_capacity) for t in candidates))
     return candidates
+
+
+def sm90_forward_traits(head_dim: int, smem_capacity: int | None = None) -> tuple[Sm90ForwardTraits, ...]:
+    """The SM90 candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80)."""
+    candidates = SM90_FORWARD.get(padded_head_dim(head_dim), ())
+    return tuple(t for t in candidates if not smem_capacity or t.smem_bytes() <= smem_capacity)
 
 
 @dataclass(frozen=True)

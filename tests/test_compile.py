@@ -15,7 +15,15 @@ from cute_attn.compile import (
     forward_key,
     forward_variants,
 )
-from cute_attn.traits import HEAD_DIMS, SM80_FORWARD, fit_to_smem, padded_head_dim
+from cute_attn.traits import (
+    HEAD_DIMS,
+    SM80_FORWARD,
+    SM90_FORWARD,
+    Sm90ForwardTraits,
+    fit_to_smem,
+    padded_head_dim,
+    parse_traits,
+)
 
 SUBSET = [  # (head_dim, dtype, causal): smallest/largest tiles, a padded head dim, both dtypes
     (64, "bf16", False),
@@ -25,10 +33,20 @@ SUBSET = [  # (head_dim, dtype, causal): smallest/largest tiles, a padded head d
 ]
 
 
+SM90_SUBSET = [  # (head_dim, dtype, causal): 3 and 2 consumer warpgroups, the largest head dim, padded
+    (64, "bf16", True),
+    (128, "bf16", False),
+    (256, "fp16", True),
+    (120, "bf16", False),
+]
+
+
 def _keys(all_variants):
     if all_variants:
         return forward_variants(TARGETS, HEAD_DIMS + (40, 120, 200))
-    return [forward_key(t, dt, d, c) for t in TARGETS for d, dt, c in SUBSET]
+    return [forward_key(t, dt, d, c) for t in TARGETS for d, dt, c in SUBSET] + [
+        forward_key("sm_90a", dt, d, c, kernel="sm90") for d, dt, c in SM90_SUBSET
+    ]
 
 
 BWD_SUBSET = [  # (head_dim, dtype, causal, deterministic)
@@ -64,15 +82,56 @@ def test_forward_variant_compiles_to_expected_instructions(fwd_key):
     ptx, cubin = fn.__ptx__, fn.__cubin__
     assert artifacts.ptx_target(ptx) == fwd_key.target
     counts = artifacts.count_ptx(ptx)
-    assert counts["mma.sync"] > 0, "no mma.sync.aligned.m16n8k16"
-    assert counts["cp.async"] > 0, "no 128-bit cp.async"
-    assert counts["ldmatrix"] > 0, "no ldmatrix"
     assert counts["ld.local/st.local"] == 0, "local memory in the PTX itself"
     res = artifacts.cubin_resources(cubin)
     assert res["registers"] and res["registers"] <= 255
     assert fn.traits in fwd_key.candidates
+    if fwd_key.kernel == "sm90":
+        assert counts["wgmma"] > 0, "no wgmma.mma_async"
+        assert counts["cp.async.bulk.tensor"] > 0, "no TMA (cp.async.bulk.tensor)"
+        assert counts["mbarrier"] > 0, "no mbarrier pipeline"
+        assert counts["setmaxnreg"] == 2, "producer and consumers should each set their register count"
+        assert counts["mma.sync"] == 0 and counts["cp.async"] == 0
+        # the register split leaves no room for spills anywhere in the SM90 table
+        assert res["stack_frame"] == 0, f"{fwd_key.name}: {res['stack_frame']} bytes of local memory (spills)"
+        return
+    assert counts["mma.sync"] > 0, "no mma.sync.aligned.m16n8k16"
+    assert counts["cp.async"] > 0, "no 128-bit cp.async"
+    assert counts["ldmatrix"] > 0, "no ldmatrix"
     if fwd_key.head_dim <= 128:
         assert res["stack_frame"] == 0, f"{fwd_key.name}: {res['stack_frame']} bytes of local memory (spills)"
+
+
+def test_sm90_falls_back_to_sm80_where_it_cannot_run():
+    # another target, or no SM90 entry fitting the GPU's shared memory: the SM80 forward
+    assert forward_key("sm_80", "bf16", 128, False, kernel="sm90").kernel == "sm80"
+    assert forward_key("sm_90a", "bf16", 128, False, 100 * 1024, kernel="sm90").kernel == "sm80"
+    assert forward_key("sm_90a", "bf16", 128, False, kernel="sm90").kernel == "sm90"
+    sm90 = parse_traits("m128n128s2o0p0", 128)
+    assert sm90 == Sm90ForwardTraits(128, 128, 128, 2, intra_wg_overlap=False, pingpong=False)
+    assert sm90.spec == "m128n128s2o0p0"
+    with pytest.raises(ValueError):
+        forward_key("sm_86", "bf16", 128, False, traits=sm90)
+
+
+def test_sm90_traits_fit_hopper_shared_memory():
+    for d, candidates in SM90_FORWARD.items():
+        for t in candidates:
+            assert t.head_dim == d and t.tile_m % 64 == 0 and t.tile_n % 16 == 0
+            assert t.smem_bytes() <= 227 * 1024, f"d{d} {t.spec} does not fit H100"
+
+
+def test_tile_scheduler_visits_every_tile_once_longest_first():
+    import itertools
+
+    from cute_attn.kernels.tile_scheduler import tile_coords
+
+    for m_blocks, heads, batch, section in [(5, 3, 2, 4), (16, 8, 2, 32), (3, 7, 1, 2), (1, 1, 1, 5), (4, 6, 3, 1)]:
+        tiles = [tile_coords(i, m_blocks, heads, batch, section, True) for i in range(m_blocks * heads * batch)]
+        assert sorted(tiles) == sorted(itertools.product(range(m_blocks), range(heads), range(batch)))
+        # within the first section, every pair's last Q block comes before any pair's next-to-last
+        width = min(section, heads * batch)
+        assert all(m == m_blocks - 1 for m, _, _ in tiles[:width])
 
 
 def test_backward_kernel_compiles_to_expected_instructions(bwd_key):

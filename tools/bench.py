@@ -3,7 +3,7 @@
     python tools/bench.py                       # the ANCHORS grid: bf16, 16k tokens, d 64/128, causal 0/1
     python tools/bench.py --modes fwd bwd fwdbwd   # forward, backward, forward+backward tables
     python tools/bench.py --seqlens 2048 8192 --head-dims 128 --causal 1
-    python tools/bench.py --sweep m128n64w4s2 m128n32w4s2    # cute_attn with other SM80 traits too
+    python tools/bench.py --sweep m128n64w4s2 m128n128s2o0  # cute_attn with other traits too (SM80, SM90)
 
 Peers: torch SDPA with the flash (FlashAttention-2) and cuDNN backends, and FlashAttention-4
 (``flash_attn.cute``) when importable. Batch = tokens / seqlen, heads = 2048 / head_dim.
@@ -127,13 +127,13 @@ def _time_ms(fn) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwdbwd"], default=["fwd"])
-    p.add_argument("--sweep", nargs="*", default=[], help="extra cute_attn SM80 forward traits, e.g. m128n64w4s2")
+    p.add_argument("--sweep", nargs="*", default=[], help="cute_attn with other forward traits too: SM80 m128n64w4s2, SM90 m128n128s2 (o0: no intra-warpgroup overlap, p0: no ping-pong)")
     p.add_argument("--bwd-sweep", nargs="*", default=[], help="extra cute_attn SM80 backward traits, e.g. m64n128w8a2b4c2")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--out", default="bench_results", help="directory for JSON and PNG")

@@ -1,11 +1,12 @@
 """Compile cute_attn kernel variants ahead of time, with or without a GPU.
 
     python tools/compile_variants.py --arch sm_80 sm_90a --head-dim 64 128 --dtype bf16 fp16 \\
-        --causal both --out DIR [--direction fwd bwd] [--deterministic both] [--jobs 4] [--cache-dir CACHE]
+        --causal both --out DIR [--kernel sm80 sm90] [--direction fwd bwd] [--deterministic both] [--jobs 4]
+        [--cache-dir CACHE]
 
 Writes one .ptx and one .cubin per variant into DIR (when given), shows a progress bar, and ends
 with a table per variant: registers, stack frame, spills, static shared memory and the counts of
-mma/ldmatrix/cp.async instructions. ``--cache-dir`` also exports each compiled kernel into a
+mma/ldmatrix/cp.async instructions (and for the SM90 forward wgmma, TMA, mbarrier, setmaxnreg). ``--cache-dir`` also exports each compiled kernel into a
 cute_attn disk cache (point CUTE_ATTN_CACHE_DIR at it to skip compiling at run time).
 """
 
@@ -59,8 +60,10 @@ def main(argv=None):
                    help="forward kernels, backward kernels (preprocess, main, postprocess), or both")
     p.add_argument("--deterministic", choices=["0", "1", "both"], default="0", help="backward dQ ordering")
     p.add_argument("--bwd-traits", nargs="*", default=[], help="backward traits instead of the table, e.g. m64n128w8a2b4c2")
+    p.add_argument("--kernel", nargs="+", choices=["sm80", "sm90"], default=["sm80", "sm90"],
+                   help="forward kernel families (sm90 compiles only for sm_90a)")
     p.add_argument("--traits", nargs="*", default=[],
-                   help="instead of the traits table, these SM80 forward traits, e.g. m128n64w4s2")
+                   help="instead of the traits table, these forward traits: SM80 m128n64w4s2, SM90 m128n128s2")
     args = p.parse_args(argv)
 
     causal = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
@@ -71,7 +74,7 @@ def main(argv=None):
             for spec in args.traits for t in args.arch for d in args.head_dim for dt in args.dtype for c in causal
         ]
     elif "fwd" in args.direction:
-        keys += forward_variants(args.arch, args.head_dim, args.dtype, causal)
+        keys += forward_variants(args.arch, args.head_dim, args.dtype, causal, kernels=args.kernel)
     if "bwd" in args.direction:
         det = {"0": [False], "1": [True], "both": [False, True]}[args.deterministic]
         for spec in args.bwd_traits or [None]:

@@ -22,6 +22,20 @@ LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)
 
 
+def _row_max(row: cute.Tensor) -> Float32:
+    """Max of one thread's part of a row, in four independent chains (a single chain of dependent
+    max instructions would put its whole latency on the softmax's critical path). Plain Python:
+    every loop here unrolls at trace time."""
+    n = cute.size(row)
+    chains = min(4, n)
+    acc = [row[i] for i in range(chains)]
+    for i in range(chains, n):
+        acc[i % chains] = cute.arch.fmax(acc[i % chains], row[i])
+    while len(acc) > 1:
+        acc = [cute.arch.fmax(acc[i], acc[i + 1]) if i + 1 < len(acc) else acc[i] for i in range(0, len(acc), 2)]
+    return acc[0]
+
+
 class OnlineSoftmax:
     """Running row statistics for the rows of one thread's accumulator fragment."""
 
@@ -35,8 +49,15 @@ class OnlineSoftmax:
 
     @cute.jit
     def step(self, acc_S: cute.Tensor, acc_O: cute.Tensor, check_inf: cutlass.Constexpr[bool] = True):
-        """Turn the scores in ``acc_S`` into unnormalised probabilities P in place and rescale
-        ``acc_O`` and the row sums for the new row maxima.
+        """``update`` then ``rescale``: for kernels whose O is not being written while S is turned into P."""
+        self.rescale(acc_O, self.update(acc_S, check_inf))
+
+    @cute.jit
+    def update(self, acc_S: cute.Tensor, check_inf: cutlass.Constexpr[bool] = True) -> cute.Tensor:
+        """Turn the scores in ``acc_S`` into unnormalised probabilities P in place, fold them into
+        the running max and sum, and return the per-row factor the running O must be multiplied by
+        (``rescale``). Split from the rescale so that a kernel can run this while an asynchronous
+        O += P V of the previous block is still in flight (SM90).
 
         ``check_inf``: a row may still be fully masked (max -inf); then 0 is used as the exponent
         offset so that exp2(-inf - -inf) does not give NaN. Without it (no causal mask) every row
@@ -44,10 +65,10 @@ class OnlineSoftmax:
         running max starts at -inf, so its rescale factor is exp2(-inf) = 0 on a zero O and sum.
         """
         S = acc_to_rows_cols(acc_S)
-        O = acc_to_rows_cols(acc_O)
+        factors = cute.make_fragment_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = S[r, None].load()
-            m_tile = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            m_tile = _row_max(S[r, None])
             m_tile = cute.arch.warp_reduction_max(m_tile, threads_in_group=self.threads_per_row)
             m_old = self.row_max[r]
             m_new = cute.arch.fmax(m_tile, m_old)
@@ -59,7 +80,15 @@ class OnlineSoftmax:
             p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
             S[r, None].store(p)
             self.row_sum[r] = self.row_sum[r] * rescale + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            O[r, None].store(O[r, None].load() * rescale)
+            factors[r] = rescale
+        return factors
+
+    @cute.jit
+    def rescale(self, acc_O: cute.Tensor, factors: cute.Tensor):
+        """Multiply each row of the running O by its factor from ``update``."""
+        O = acc_to_rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(factors)):
+            O[r, None].store(O[r, None].load() * factors[r])
 
     @cute.jit
     def finalize(self, acc_O: cute.Tensor) -> cute.Tensor:

@@ -1,0 +1,1 @@
+"""Hopper (SM90) kernels: wgmma, TMA, warp specialisation."""

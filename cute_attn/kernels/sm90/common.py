@@ -1,0 +1,73 @@
+"""Hopper building blocks shared by the SM90 kernels: swizzled shared-memory layouts that both TMA
+and wgmma understand, warpgroup MMAs, TMA copies, and the named barriers.
+"""
+
+import enum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+WARPGROUP_THREADS = 128
+
+
+class NamedBarrier(enum.IntEnum):
+    """Hardware named barriers (0 is __syncthreads)."""
+
+    EPILOGUE = 1  # all consumer threads: done reading sQ before O overwrites it; O in smem
+    SCHEDULER_WG1 = 2  # ping-pong: consumer warpgroup i waits on SCHEDULER_WG1 + i - 1
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """(rows, cols[, stages]) row-major tile with the widest swizzle a row of ``cols`` allows: the
+    layout TMA writes and wgmma reads (K-major for Q, K; MN-major for V seen transposed)."""
+    atom = warpgroup.make_smem_layout_atom(hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, (0, 1) if stages is None else (0, 1, 2))
+
+
+def tiled_mma(dtype, num_warpgroups: int, n: int, b_major_mn: bool, a_in_registers: bool) -> cute.TiledMma:
+    """wgmma with warpgroups stacked along M (64 rows each) and the whole N in one instruction."""
+    return hopper.make_trivial_tiled_mma(
+        dtype, dtype,
+        OperandMajorMode.K,
+        OperandMajorMode.MN if b_major_mn else OperandMajorMode.K,
+        Float32,
+        atom_layout_mnk=(num_warpgroups, 1, 1),
+        tiler_mn=(64, n),
+        a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
+    )
+
+
+@cute.jit
+def wgmma(
+    mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool],
+    wait: cutlass.Constexpr[int],
+):
+    """acc (+)= A B as one wgmma group over the K blocks; ``wait`` >= 0 waits until at most that
+    many groups are still in flight, -1 returns with this one in flight."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(mma.op)  # a fresh atom: its accumulate flag is changed below
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+def tma_tiles(atom: cute.CopyAtom, gmem: cute.Tensor, smem: cute.Tensor):
+    """Partition a (rows, cols, ...) global tile view and a (rows, cols, ...) shared buffer for
+    ``atom``: returns (shared, global) with the tile as mode 0 and the rest (block, stage) after."""
+    s, g = cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2)
+    )
+    return s, g

@@ -1,0 +1,447 @@
+"""FlashAttention-3 style forward for Hopper (wgmma, TMA, warp specialisation), written with the CuTe DSL.
+
+Grid: (Q block, head, batch); one CTA per Q tile of ``tile_m = 64 * consumer warpgroups`` rows.
+
+Warp specialisation (``kernel``):
+- warpgroup 0, the producer: its first warp issues every TMA load (Q once, then K and V block by
+  block into ``num_stages`` shared-memory buffers each, guarded by mbarrier pipelines) and gives
+  most of its registers back (``setmaxnreg`` down).
+- warpgroups 1.., the consumers: take the registers (``setmaxnreg`` up); each owns 64 rows of the
+  Q tile and runs S = Q K^T with both operands in shared memory (wgmma SS), the online softmax,
+  and O += P V with P straight from registers (wgmma RS).
+
+Overlap inside a consumer warpgroup (``_attend_overlapped``): the Q K^T of block n is issued, then
+the P V of block n+1 (the previous one), and the softmax of block n runs while P V is still in
+flight. Between consumer warpgroups (ping-pong): named barriers let one warpgroup issue its GEMMs
+while the other does its softmax, so the tensor cores and the exp2 units stay busy.
+
+K/V blocks are visited from the last visible one down, as in the SM80 kernel, so the blocks that
+need a mask (the seqlen_k end, the causal diagonal) come first; the masking, block ranges and
+softmax are the same code (kernels/mask.py, block_info.py, softmax.py). O leaves through shared
+memory (reusing Q's buffer) and one TMA store, which clips rows past seqlen_q and padded columns.
+"""
+
+from functools import partial
+from typing import Type
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from cute_attn.kernels import block_info, tile_scheduler
+from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
+from cute_attn.kernels.mask import apply_mask
+from cute_attn.kernels.softmax import OnlineSoftmax
+from cute_attn.kernels.sm90 import common
+from cute_attn.kernels.sm90.common import WARPGROUP_THREADS, NamedBarrier
+
+# (consumer, producer) registers per thread after setmaxnreg, by number of consumer warpgroups:
+# the most the consumers can take while the whole CTA stays within 64K registers.
+REGISTER_SPLIT = {1: (256, 56), 2: (240, 24), 3: (160, 32)}
+
+
+class FlashAttentionForwardSm90:
+    """Compile-time configuration of one forward variant; ``__call__`` is the host-side launch.
+
+    head_dim: the padded head dim (TMA zero-fills the columns past the actual one on load and
+    clips them on store). intra_wg_overlap / pingpong switch the two overlap techniques (on by
+    default; off only to measure what they buy).
+    """
+
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        tile_m: int,
+        tile_n: int,
+        num_stages: int,
+        causal: bool,
+        check_hdim: bool,
+        intra_wg_overlap: bool = True,
+        pingpong: bool = True,
+    ):
+        assert tile_m % 64 == 0 and tile_m // 64 in REGISTER_SPLIT, "tile_m: 64, 128 or 192"
+        assert tile_n % 16 == 0 and head_dim % 16 == 0 and tile_n <= 256
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.causal = causal
+        self.check_hdim = check_hdim  # TMA handles the padding; kept for the key's sake
+        self.intra_wg_overlap = intra_wg_overlap
+        self.num_consumer_wgs = tile_m // 64
+        self.pingpong = pingpong and self.num_consumer_wgs > 1
+        self.num_consumer_threads = self.num_consumer_wgs * WARPGROUP_THREADS
+        self.num_threads = self.num_consumer_threads + WARPGROUP_THREADS
+        self.consumer_regs, self.producer_regs = REGISTER_SPLIT[self.num_consumer_wgs]
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mV: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32
+        softmax_scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        # TMA copies tiles of the first two modes: view the tensors as (seqlen, head_dim, heads, batch)
+        mQ, mK, mV, mO = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mO)
+        ]
+        d, m, n, s = self.head_dim, self.tile_m, self.tile_n, self.num_stages
+        sQ_layout = common.smem_layout(self.dtype, m, d)  # O reuses it
+        sKV_layout = common.smem_layout(self.dtype, n, d, s)
+        sKV_stage = cute.select(sKV_layout, mode=[0, 1])
+
+        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (m, d))
+        atom_K, tma_K = cpasync.make_tiled_tma_atom(load, mK, sKV_stage, (n, d))
+        atom_V, tma_V = cpasync.make_tiled_tma_atom(load, mV, sKV_stage, (n, d))
+        atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO, sQ_layout, (m, d))
+
+        mma_qk = common.tiled_mma(self.dtype, self.num_consumer_wgs, n, b_major_mn=False, a_in_registers=False)
+        mma_pv = common.tiled_mma(self.dtype, self.num_consumer_wgs, d, b_major_mn=True, a_in_registers=True)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]  # full + empty barrier per stage
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * s]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * s]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+
+        num_tiles = cute.ceil_div(mQ.shape[0], m) * mQ.shape[2] * mQ.shape[3]
+        # non-causal tiles are all alike: one (batch, head) at a time keeps its K/V hot in L2
+        section = tile_scheduler.heads_per_section(mK.shape[0], d, self.dtype.width // 8) if const_expr(self.causal) else Int32(1)
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, section, atom_Q, atom_K, atom_V, atom_O,
+            sQ_layout, sKV_layout, mma_qk, mma_pv, SharedStorage,
+        ).launch(
+            grid=(num_tiles, 1, 1),
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA views, (seqlen, head_dim, heads, batch)
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale_log2: Float32,
+        heads_per_section: Int32,
+        atom_Q: cute.CopyAtom,
+        atom_K: cute.CopyAtom,
+        atom_V: cute.CopyAtom,
+        atom_O: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (atom_Q, atom_K, atom_V, atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        # Pipelines: full barriers complete when TMA has written a stage's bytes; empty barriers
+        # when every consumer warp has released the stage (one arrive per warp).
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
+        stage_bytes = self.dtype.width // 8 * self.head_dim
+        make_pipeline = partial(
+            pipeline.PipelineTmaAsync.create, producer_group=tma_thread, consumer_group=consumer_warps, defer_sync=True
+        )
+        pipe_q = make_pipeline(barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, tx_count=stage_bytes * self.tile_m)
+        pipe_k = make_pipeline(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, tx_count=stage_bytes * self.tile_n
+        )
+        pipe_v = make_pipeline(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, tx_count=stage_bytes * self.tile_n
+        )
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        # causal: longest tiles first, in L2-sized sections of heads (kernels/tile_scheduler.py)
+        m_block, head, batch = tile_scheduler.tile_coords(
+            cute.arch.block_idx()[0], cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], mQ.shape[3],
+            heads_per_section, longest_first=self.causal,
+        )
+        head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA/MQA: K/V are shared, never copied
+        # At least one block: a Q block that sees no key (causal, seqlen_q > seqlen_k) runs block 0
+        # fully masked and ends with O = 0 and LSE = +inf, like any other empty row.
+        n_block_max = cutlass.max(
+            block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal), 1
+        )
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self._produce(
+                    mQ, mK, mV, sQ, sK, sV, atom_Q, atom_K, atom_V, pipe_q, pipe_k, pipe_v,
+                    m_block, head, head_kv, batch, n_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self._consume(
+                mO, mLSE, sQ, sK, sV, atom_O, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2,
+                m_block, head, batch, n_block_max, seqlen_q, seqlen_k,
+            )
+
+    # ------------------------------------------------------------------ producer warp
+    @cute.jit
+    def _produce(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        atom_Q: cute.CopyAtom,
+        atom_K: cute.CopyAtom,
+        atom_V: cute.CopyAtom,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        m_block: Int32,
+        head: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        n_block_max: Int32,
+    ):
+        """TMA loads in the order the consumers need them: K[last], Q, then per block K[n-1]
+        before V[n] (the consumers issue the next Q K^T before this block's P V)."""
+        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+        tQsQ, tQgQ = common.tma_tiles(atom_Q, cute.local_tile(mQ[None, None, head, batch], tile_q, (m_block, 0)), sQ)
+        tKsK, tKgK = common.tma_tiles(atom_K, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
+        tVsV, tVgV = common.tma_tiles(atom_V, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
+
+        load_K = partial(self._tma_load, pipe_k, atom_K, tKgK, tKsK)
+        load_V = partial(self._tma_load, pipe_v, atom_V, tVgV, tVsV)
+
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        load_K(n_block_max - 1, kv)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        if const_expr(self.intra_wg_overlap):
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                n_block = n_block_max - 1 - i
+                v_state = kv.clone()
+                kv.advance()
+                load_K(n_block - 1, kv)
+                load_V(n_block, v_state)
+            load_V(0, kv)
+        else:
+            load_V(n_block_max - 1, kv)
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                kv.advance()
+                load_K(n_block_max - 2 - i, kv)
+                load_V(n_block_max - 2 - i, kv)
+
+    @cute.jit
+    def _tma_load(self, pipe, atom, src: cute.Tensor, dst: cute.Tensor, n_block: Int32, state):
+        """Wait until ``state``'s stage is free, arm its barrier with the bytes to expect, load block n_block."""
+        pipe.producer_acquire(state)
+        cute.copy(atom, src[None, n_block], dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    # ------------------------------------------------------------------ consumer warpgroups
+    @cute.jit
+    def _consume(
+        self,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        atom_O: cute.CopyAtom,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        softmax_scale_log2: Float32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        n_block_max: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+    ):
+        tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # index among the consumer threads
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+        # wgmma operands are described per warpgroup (shared-memory descriptors); the
+        # accumulators per thread
+        wg_layout = cute.make_layout(self.num_consumer_wgs, stride=WARPGROUP_THREADS)
+        wg_qk, wg_pv = mma_qk.get_slice(wg_layout(wg)), mma_pv.get_slice(wg_layout(wg))
+        thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(sV)))
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_O.fill(0.0)
+
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS, tScS_thread0 = thr_qk.partition_C(cS), mma_qk.get_slice(0).partition_C(cS)
+        softmax = OnlineSoftmax(softmax_scale_log2, num_rows=cute.size(acc_to_rows_cols(acc_O).shape[0]))
+        mask = partial(apply_mask, tScS=tScS, tScS_thread0=tScS_thread0, m_block=m_block, tile_m=self.tile_m,
+                       tile_n=self.tile_n, seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=self.causal)
+        ctx = (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg)
+
+        pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        if const_expr(self.pingpong):
+            if wg == 0:  # the first consumer warpgroup issues its GEMMs first
+                self._scheduler_arrive_own(wg)
+
+        # Blocks [n_block_mask_start, n_block_max) cross the diagonal or the seqlen_k end and are
+        # masked (non-causal: only the first, the seqlen_k boundary); the rest need no mask.
+        num_masked = cutlass.max(
+            n_block_max
+            - cutlass.max(block_info.n_block_mask_start(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal), 0),
+            1,
+        )
+        if const_expr(not self.causal):
+            num_masked = 1
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if const_expr(self.intra_wg_overlap):
+            self._first_block(ctx, kv, n_block_max - 1)
+            for i in cutlass.range(num_masked - 1, unroll=1):
+                kv = self._attend_overlapped(ctx, kv, n_block_max - 2 - i, masked=True)
+            for i in cutlass.range(n_block_max - num_masked, unroll=1):
+                kv = self._attend_overlapped(ctx, kv, n_block_max - num_masked - 1 - i, masked=False)
+            # the last block's P V
+            pipe_v.consumer_wait(kv)
+            common.wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False, wait=0)
+            pipe_v.consumer_release(kv)
+        else:
+            self._scheduler_sync(wg)
+            for i in cutlass.range(num_masked, unroll=1):
+                kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
+            for i in cutlass.range(n_block_max - num_masked, unroll=1):
+                kv = self._attend_serial(ctx, kv, n_block_max - num_masked - 1 - i, masked=False)
+            self._scheduler_arrive_next(wg)
+
+        self._epilogue(acc_O, softmax, mO, mLSE, sQ, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def _first_block(self, ctx, kv, n_block: Int32):
+        """S of the first (always masked) block and its P; its P V is issued with the next block's S."""
+        mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg = ctx
+        pipe_k.consumer_wait(kv)
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        common.wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
+        pipe_k.consumer_release(kv)
+        mask(acc_S, n_block=n_block)
+        softmax.update(acc_S, check_inf=self.causal)  # O is still zero: no rescale
+        tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+
+    @cute.jit
+    def _attend_overlapped(self, ctx, kv, n_block: Int32, masked: cutlass.Constexpr[bool]):
+        """Issue S = Q K[n] and O += P V[n+1] back to back; softmax of S while P V runs."""
+        mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg = ctx
+        v_state = kv.clone()  # V of the previous block
+        kv.advance()
+        pipe_k.consumer_wait(kv)
+        self._scheduler_sync(wg)
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        common.wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
+        pipe_v.consumer_wait(v_state)
+        common.wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], zero_init=False, wait=-1)
+        self._scheduler_arrive_next(wg)
+        warpgroup.wait_group(1)  # S has landed (P V may still run)
+        pipe_k.consumer_release(kv)
+        if const_expr(masked):
+            mask(acc_S, n_block=n_block)
+        factors = softmax.update(acc_S, check_inf=masked and self.causal)
+        warpgroup.wait_group(0)  # P V done: O and P's registers are free again
+        pipe_v.consumer_release(v_state)
+        softmax.rescale(acc_O, factors)
+        tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+        return kv
+
+    @cute.jit
+    def _attend_serial(self, ctx, kv, n_block: Int32, masked: cutlass.Constexpr[bool]):
+        """Without intra-warpgroup overlap: S, softmax, then O += P V of the same block."""
+        mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg = ctx
+        pipe_k.consumer_wait(kv)
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        common.wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=-1)
+        self._scheduler_arrive_next(wg)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv)
+        if const_expr(masked):
+            mask(acc_S, n_block=n_block)
+        softmax.step(acc_S, acc_O, check_inf=masked and self.causal)
+        tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+        pipe_v.consumer_wait(kv)
+        self._scheduler_sync(wg)
+        common.wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False, wait=0)
+        pipe_v.consumer_release(kv)
+        kv.advance()
+        return kv
+
+    # ping-pong: warpgroup i may issue GEMMs once warpgroup i-1 has issued its own
+    def _scheduler_sync(self, wg):
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=int(NamedBarrier.SCHEDULER_WG1) + wg, number_of_threads=2 * WARPGROUP_THREADS)
+
+    def _scheduler_arrive_next(self, wg):
+        if const_expr(self.pingpong):
+            next_wg = (wg + 1) % self.num_consumer_wgs
+            cute.arch.barrier_arrive(
+                barrier_id=int(NamedBarrier.SCHEDULER_WG1) + next_wg, number_of_threads=2 * WARPGROUP_THREADS
+            )
+
+    def _scheduler_arrive_own(self, wg):
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER_WG1) + wg, number_of_threads=2 * WARPGROUP_THREADS)
+
+    @cute.jit
+    def _epilogue(self, acc_O, softmax, mO, mLSE, sQ, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q):
+        """O /= rowsum and LSE; O -> shared memory (Q's buffer, stmatrix) -> global (one TMA store)."""
+        lse = softmax.finalize(acc_O)
+        rO = convert(acc_O, self.dtype)
+
+        # LSE: the thread holding column 0 of a row writes it
+        gLSE = cute.local_tile(mLSE[batch, head, None], (self.tile_m,), (m_block,))
+        rows = acc_to_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        rows_left = seqlen_q - m_block * self.tile_m
+        if rows[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                if rows[r, 0][0] < rows_left:
+                    gLSE[rows[r, 0][0]] = lse[r]
+
+        # every consumer warpgroup is done reading sQ (its last Q K^T has been waited on)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
+        copy_O = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv)
+        thr_copy_O = copy_O.get_slice(tidx)
+        cute.copy(copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sQ))
+        cute.arch.fence_view_async_shared()  # the generic-proxy writes above, visible to TMA
+        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
+        if tidx < 32:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            tOsO, tOgO = common.tma_tiles(atom_O, gO, sQ)
+            cute.copy(atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory stays valid until read
