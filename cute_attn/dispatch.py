@@ -27,6 +27,7 @@ class DevicePlan:
     kernel: str  # forward kernel family: "sm80" | "sm90"
     target: str  # "sm_80", "sm_86", "sm_89", "sm_90a", ...
     smem_capacity: int  # opt-in shared memory per block, bytes
+    num_sms: int  # streaming multiprocessors (the size of a persistent grid)
 
 
 @contextlib.contextmanager
@@ -61,21 +62,21 @@ def target_for_capability(major: int, minor: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_facts(index: int) -> tuple[int, int, int]:
+def _device_facts(index: int) -> tuple[int, int, int, int]:
     import torch
 
     props = torch.cuda.get_device_properties(index)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
-    return props.major, props.minor, smem
+    return props.major, props.minor, smem, props.multi_processor_count
 
 
 def plan_for_device(device) -> DevicePlan:
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor, smem = _device_facts(index)
+    major, minor, smem, num_sms = _device_facts(index)
     target = target_for_capability(major, minor)
     kernel = _requested_kernel() or ("sm90" if target == "sm_90a" else "sm80")
     if kernel == "sm90" and target != "sm_90a":
         raise ValueError(f"the sm90 kernels need compute capability 9.0; this GPU is {major}.{minor}")
-    return DevicePlan(kernel, target, smem)
+    return DevicePlan(kernel, target, smem, num_sms)

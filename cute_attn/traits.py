@@ -46,10 +46,22 @@ class ForwardTraits:
 # the target, dtype, causal and padded variants.
 SM80_FORWARD = {
     # d32/d64: 128x64 beat 128x128 by 10-60% (less S per thread, no spills) and 64x64 at S >= 1024.
-    32: (ForwardTraits(32, tile_m=128, tile_n=64, num_warps=4, num_stages=2),),
-    64: (ForwardTraits(64, tile_m=128, tile_n=64, num_warps=4, num_stages=2),),
-    # d96: 128x64, two stages (72 KB, 2 CTAs/SM); 1.08-1.14x FA2 at S >= 1024.
-    96: (ForwardTraits(96, tile_m=128, tile_n=64, num_warps=4, num_stages=2),),
+    # At 255 registers a variant may spill a few bytes (d64 causal padded on sm_90a: 8 B); it then
+    # takes the same tile with O += P V in two column slices.
+    32: (
+        ForwardTraits(32, tile_m=128, tile_n=64, num_warps=4, num_stages=2),
+        ForwardTraits(32, tile_m=128, tile_n=64, num_warps=4, num_stages=2, pv_chunks=2),
+    ),
+    64: (
+        ForwardTraits(64, tile_m=128, tile_n=64, num_warps=4, num_stages=2),
+        ForwardTraits(64, tile_m=128, tile_n=64, num_warps=4, num_stages=2, pv_chunks=2),
+    ),
+    # d96: 128x64, two stages (72 KB, 2 CTAs/SM); 1.08-1.14x FA2 at S >= 1024. The causal
+    # variants spill 32-40 B on sm_90a and take a 32-wide S tile instead.
+    96: (
+        ForwardTraits(96, tile_m=128, tile_n=64, num_warps=4, num_stages=2),
+        ForwardTraits(96, tile_m=128, tile_n=32, num_warps=4, num_stages=2),
+    ),
     # d128: O alone is 128 fp32 registers per thread. A 64-wide S tile spills 24-72 bytes; 32 wide
     # runs 1.02-1.06x FA2 and compiles clean in most variants; the others take the same tile with
     # O += P V in two column slices, or ptxas register-usage level 2. 16 wide never spills but ran
@@ -78,29 +90,59 @@ class Sm90ForwardTraits:
     num_stages: int  # shared-memory buffers for each of K and V
     intra_wg_overlap: bool = True  # issue the next Q K^T before this block's softmax
     pingpong: bool = True  # named barriers alternate the consumer warpgroups' GEMMs
+    persistent: bool = False  # one CTA per SM walks the tiles (O gets its own shared buffer)
 
     @property
     def spec(self) -> str:
-        """'m128n128s2' (+ 'o0' without intra-warpgroup overlap, 'p0' without ping-pong)."""
+        """'m128n128s2' (+ 'o0' without intra-warpgroup overlap, 'p0' without ping-pong, 'ps'
+        persistent)."""
         return (f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
-                f"{'' if self.intra_wg_overlap else 'o0'}{'' if self.pingpong else 'p0'}")
+                f"{'' if self.intra_wg_overlap else 'o0'}{'' if self.pingpong else 'p0'}"
+                f"{'ps' if self.persistent else ''}")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
-        return elem_bytes * self.head_dim * (self.tile_m + 2 * self.num_stages * self.tile_n) + 1024
+        o_tile = self.tile_m if self.persistent else 0
+        return elem_bytes * self.head_dim * (self.tile_m + o_tile + 2 * self.num_stages * self.tile_n) + 2048
 
 
 # SM90 forward (wgmma, TMA, warp specialisation): one CTA per SM, so the tiles take as much of the
-# 227 KB of shared memory as helps. Measured on H100 (tools/bench.py --sweep; docs/performance.md).
+# 227 KB of shared memory as helps. Per head dim: (non-causal, causal, causal with short sequences)
+# candidates. Measured on H100 (tools/bench.py --sweep; docs/performance.md).
+# - persistent ('ps') where O's extra buffer fits: measured +1-20% non-causal at S 512-2048 (the
+#   next tile's loads overlap this one's epilogue) and level from 4096. Causal it gained at
+#   S <= 1024 (d128 +17% at 512) but lost 2-14% from S = 2048 on (a static deal of longest-first
+#   tiles balances worse than the hardware's launch order), so only short causal inputs
+#   (max(seqlen_q, seqlen_k) <= SHORT_SEQLEN) take it; d64 there also takes 128-row tiles
+#   (+30% at S = 512, +20% at 1024 over 192 rows).
+# - d128: ping-pong on top of the intra-warpgroup overlap measured -7%..+1% in one sweep and
+#   -1%..+1.5% in another (S 1024-16384), so d128 runs the simpler schedule, the overlap alone.
+_m192 = dict(tile_m=192, tile_n=128, num_stages=2)
+_m128 = dict(tile_m=128, tile_n=128, num_stages=2)
+SHORT_SEQLEN = 1024
 SM90_FORWARD = {
-    32: (Sm90ForwardTraits(32, tile_m=192, tile_n=128, num_stages=2),),
-    64: (Sm90ForwardTraits(64, tile_m=192, tile_n=128, num_stages=2),),
-    96: (Sm90ForwardTraits(96, tile_m=128, tile_n=128, num_stages=2),),
-    # d128: ping-pong on top of the intra-warpgroup overlap measured -7%..+1% in one sweep and
-    # -1%..+1.5% in another (S 1024-16384, causal and not), so d128 runs the simpler schedule, the
-    # overlap alone; either technique alone beats neither by up to 19%.
-    128: (Sm90ForwardTraits(128, tile_m=128, tile_n=128, num_stages=2, pingpong=False),),
-    192: (Sm90ForwardTraits(192, tile_m=128, tile_n=112, num_stages=2),),
-    256: (Sm90ForwardTraits(256, tile_m=128, tile_n=80, num_stages=2),),
+    32: (
+        (Sm90ForwardTraits(32, **_m192, persistent=True),),
+        (Sm90ForwardTraits(32, **_m192),),
+        (Sm90ForwardTraits(32, **_m128, persistent=True),),
+    ),
+    64: (
+        (Sm90ForwardTraits(64, **_m192, persistent=True),),
+        (Sm90ForwardTraits(64, **_m192),),
+        (Sm90ForwardTraits(64, **_m128, persistent=True),),
+    ),
+    96: (
+        (Sm90ForwardTraits(96, **_m128, persistent=True),),
+        (Sm90ForwardTraits(96, **_m128),),
+        (Sm90ForwardTraits(96, **_m128, persistent=True),),
+    ),
+    128: (
+        (Sm90ForwardTraits(128, **_m128, pingpong=False, persistent=True),),
+        (Sm90ForwardTraits(128, **_m128, pingpong=False),),
+        (Sm90ForwardTraits(128, **_m128, pingpong=False, persistent=True),),
+    ),
+    # d192/d256: Q, K and V fill shared memory; O reuses Q's buffer, so no persistent grid
+    192: ((Sm90ForwardTraits(192, tile_m=128, tile_n=112, num_stages=2),),) * 3,
+    256: ((Sm90ForwardTraits(256, tile_m=128, tile_n=80, num_stages=2),),) * 3,
 }
 
 
@@ -130,14 +172,15 @@ def parse_traits(spec: str, head_dim: int):
     import re
 
     d = padded_head_dim(head_dim)
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(o0)?(p0)?", spec)
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(o0)?(p0)?(ps)?", spec)
     if m:
-        tile_m, tile_n, stages, no_overlap, no_pingpong = m.groups()
-        return Sm90ForwardTraits(d, int(tile_m), int(tile_n), int(stages), not no_overlap, not no_pingpong)
+        tile_m, tile_n, stages, no_overlap, no_pingpong, persistent = m.groups()
+        return Sm90ForwardTraits(d, int(tile_m), int(tile_n), int(stages), not no_overlap, not no_pingpong,
+                                 bool(persistent))
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(?:c(\d+))?(?:r(\d+))?", spec)
     if not m:
         raise ValueError(f"traits spec must look like m128n64w4s2 (SM80, optionally c2/r3) or m128n128s2 "
-                         f"(SM90, optionally o0/p0), got {spec!r}")
+                         f"(SM90, optionally o0/p0/ps), got {spec!r}")
     tile_m, tile_n, warps, stages, chunks, level = m.groups()
     return ForwardTraits(d, int(tile_m), int(tile_n), int(warps), int(stages),
                          int(level) if level is not None else None, int(chunks) if chunks is not None else 1)
@@ -152,9 +195,12 @@ def sm80_forward_traits(head_dim: int, causal: bool = False,
     return candidates
 
 
-def sm90_forward_traits(head_dim: int, smem_capacity: int | None = None) -> tuple[Sm90ForwardTraits, ...]:
-    """The SM90 candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80)."""
-    candidates = SM90_FORWARD.get(padded_head_dim(head_dim), ())
+def sm90_forward_traits(head_dim: int, causal: bool = False, smem_capacity: int | None = None,
+                        short: bool = False) -> tuple[Sm90ForwardTraits, ...]:
+    """The SM90 candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80);
+    ``short``: causal with max(seqlen_q, seqlen_k) <= SHORT_SEQLEN."""
+    entry = SM90_FORWARD.get(padded_head_dim(head_dim), ((), (), ()))
+    candidates = entry[2 if causal and short else int(bool(causal))]
     return tuple(t for t in candidates if not smem_capacity or t.smem_bytes() <= smem_capacity)
 
 

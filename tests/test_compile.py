@@ -115,8 +115,8 @@ def test_sm90_falls_back_to_sm80_where_it_cannot_run():
 
 
 def test_sm90_traits_fit_hopper_shared_memory():
-    for d, candidates in SM90_FORWARD.items():
-        for t in candidates:
+    for d, entries in SM90_FORWARD.items():
+        for t in sum(entries, ()):
             assert t.head_dim == d and t.tile_m % 64 == 0 and t.tile_n % 16 == 0
             assert t.smem_bytes() <= 227 * 1024, f"d{d} {t.spec} does not fit H100"
 
@@ -132,6 +132,21 @@ def test_tile_scheduler_visits_every_tile_once_longest_first():
         # within the first section, every pair's last Q block comes before any pair's next-to-last
         width = min(section, heads * batch)
         assert all(m == m_blocks - 1 for m, _, _ in tiles[:width])
+
+
+def test_persistent_rounds_deal_every_tile_once():
+    from cute_attn.kernels.tile_scheduler import nth_tile
+
+    for num_tiles, grid in [(10, 3), (132, 132), (1000, 132), (5, 8), (264, 132)]:
+        dealt = []
+        for cta in range(grid):
+            r = 0
+            while nth_tile(r, cta, grid) < num_tiles:
+                dealt.append(nth_tile(r, cta, grid))
+                r += 1
+        assert sorted(dealt) == list(range(num_tiles))
+        # rounds alternate direction: CTA 0 takes tile 0, then the last tile of round 1
+        assert nth_tile(1, 0, grid) == 2 * grid - 1
 
 
 def test_backward_kernel_compiles_to_expected_instructions(bwd_key):

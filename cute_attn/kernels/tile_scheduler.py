@@ -6,6 +6,8 @@ second-to-last, and so on; the short tiles fill the tail of the grid instead of 
 Done over all heads at once, that would stream every head's K and V through L2 once per Q
 block, so the (batch, head) pairs are cut into sections of ``heads_per_section`` whose K and V fit
 in L2 together, and the LPT order runs inside each section.
+
+A persistent grid deals the numbered tiles out round by round (``nth_tile``).
 """
 
 import cutlass
@@ -32,3 +34,11 @@ def tile_coords(block: Int32, num_m_blocks: Int32, heads: Int32, batch: Int32, s
     pair = index * section + (rest - m_index * width)
     m_block = num_m_blocks - 1 - m_index if longest_first else m_index
     return m_block, pair % heads, pair // heads
+
+
+def nth_tile(r, cta, grid):
+    """Tile number of CTA ``cta``'s r-th round in a grid of ``grid`` CTAs. Round r covers tiles
+    [r * grid, (r + 1) * grid), dealt in alternating directions (a snake), so that with tiles in
+    longest-first order the CTA that got one round's longest tile gets the next round's shortest.
+    Increasing in r, so a CTA stops at its first tile number past the end."""
+    return r * grid + cta + (r % 2) * (grid - 1 - 2 * cta)

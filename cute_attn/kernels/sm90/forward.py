@@ -1,6 +1,9 @@
 """FlashAttention-3 style forward for Hopper (wgmma, TMA, warp specialisation), written with the CuTe DSL.
 
-Grid: (Q block, head, batch); one CTA per Q tile of ``tile_m = 64 * consumer warpgroups`` rows.
+Tiles of ``tile_m = 64 * consumer warpgroups`` Q rows, numbered Q block fastest, then head, then
+batch (causal: longest first, kernels/tile_scheduler.py). One CTA per tile, or with ``persistent``
+one CTA per SM walking the tiles (``_nth_tile``), so that a tile's loads overlap the previous
+tile's epilogue.
 
 Warp specialisation (``kernel``):
 - warpgroup 0, the producer: its first warp issues every TMA load (Q once, then K and V block by
@@ -18,7 +21,8 @@ while the other does its softmax, so the tensor cores and the exp2 units stay bu
 K/V blocks are visited from the last visible one down, as in the SM80 kernel, so the blocks that
 need a mask (the seqlen_k end, the causal diagonal) come first; the masking, block ranges and
 softmax are the same code (kernels/mask.py, block_info.py, softmax.py). O leaves through shared
-memory (reusing Q's buffer) and one TMA store, which clips rows past seqlen_q and padded columns.
+memory (its own buffer when persistent, else Q's) and one TMA store, which clips rows past
+seqlen_q and padded columns.
 """
 
 from functools import partial
@@ -62,6 +66,7 @@ class FlashAttentionForwardSm90:
         check_hdim: bool,
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
+        persistent: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in REGISTER_SPLIT, "tile_m: 64, 128 or 192"
         assert tile_n % 16 == 0 and head_dim % 16 == 0 and tile_n <= 256
@@ -78,6 +83,9 @@ class FlashAttentionForwardSm90:
         self.num_consumer_threads = self.num_consumer_wgs * WARPGROUP_THREADS
         self.num_threads = self.num_consumer_threads + WARPGROUP_THREADS
         self.consumer_regs, self.producer_regs = REGISTER_SPLIT[self.num_consumer_wgs]
+        # persistent: one CTA per SM walks the tiles, so a tile's loads overlap the previous tile's
+        # epilogue; O then needs a buffer of its own (otherwise it reuses Q's)
+        self.persistent = persistent
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -89,6 +97,7 @@ class FlashAttentionForwardSm90:
         mO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
         mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32
         softmax_scale_log2: Float32,
+        num_sms: Int32,  # CTAs of a persistent grid
         stream: cuda.CUstream,
     ):
         # TMA copies tiles of the first two modes: view the tensors as (seqlen, head_dim, heads, batch)
@@ -96,7 +105,7 @@ class FlashAttentionForwardSm90:
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mO)
         ]
         d, m, n, s = self.head_dim, self.tile_m, self.tile_n, self.num_stages
-        sQ_layout = common.smem_layout(self.dtype, m, d)  # O reuses it
+        sQ_layout = common.smem_layout(self.dtype, m, d)  # and O's
         sKV_layout = common.smem_layout(self.dtype, n, d, s)
         sKV_stage = cute.select(sKV_layout, mode=[0, 1])
 
@@ -117,15 +126,23 @@ class FlashAttentionForwardSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) if self.persistent else 64], 1024]
 
+        # Tiles are numbered (Q block fastest, then head, then batch): one head's Q blocks run
+        # together and share its K/V in L2. Causal: longest first instead (tile_scheduler).
         num_tiles = cute.ceil_div(mQ.shape[0], m) * mQ.shape[2] * mQ.shape[3]
-        # non-causal tiles are all alike: one (batch, head) at a time keeps its K/V hot in L2
-        section = tile_scheduler.heads_per_section(mK.shape[0], d, self.dtype.width // 8) if const_expr(self.causal) else Int32(1)
+        section = Int32(1)
+        if const_expr(self.causal):
+            section = tile_scheduler.heads_per_section(mK.shape[0], d, self.dtype.width // 8)
+        grid = num_tiles
+        if const_expr(self.persistent):
+            grid = cutlass.min(num_tiles, num_sms)
+        qheads_per_kvhead = mQ.shape[2] // mK.shape[2]  # GQA/MQA: K/V are shared, never copied
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, section, atom_Q, atom_K, atom_V, atom_O,
-            sQ_layout, sKV_layout, mma_qk, mma_pv, SharedStorage,
+            tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, section, qheads_per_kvhead,
+            atom_Q, atom_K, atom_V, atom_O, sQ_layout, sKV_layout, mma_qk, mma_pv, SharedStorage,
         ).launch(
-            grid=(num_tiles, 1, 1),
+            grid=(grid, 1, 1),
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -143,6 +160,7 @@ class FlashAttentionForwardSm90:
         mLSE: cute.Tensor,
         softmax_scale_log2: Float32,
         heads_per_section: Int32,
+        qheads_per_kvhead: Int32,
         atom_Q: cute.CopyAtom,
         atom_K: cute.CopyAtom,
         atom_V: cute.CopyAtom,
@@ -180,33 +198,48 @@ class FlashAttentionForwardSm90:
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
 
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        # causal: longest tiles first, in L2-sized sections of heads (kernels/tile_scheduler.py)
-        m_block, head, batch = tile_scheduler.tile_coords(
-            cute.arch.block_idx()[0], cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2], mQ.shape[3],
-            heads_per_section, longest_first=self.causal,
-        )
-        head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA/MQA: K/V are shared, never copied
-        # At least one block: a Q block that sees no key (causal, seqlen_q > seqlen_k) runs block 0
-        # fully masked and ends with O = 0 and LSE = +inf, like any other empty row.
-        n_block_max = cutlass.max(
-            block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal), 1
-        )
+        sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.persistent) else sQ
+        tiles = partial(self._tile, mQ, mK, heads_per_section, qheads_per_kvhead)
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self._produce(
-                    mQ, mK, mV, sQ, sK, sV, atom_Q, atom_K, atom_V, pipe_q, pipe_k, pipe_v,
-                    m_block, head, head_kv, batch, n_block_max,
-                )
+                self._produce(mQ, mK, mV, sQ, sK, sV, atom_Q, atom_K, atom_V, pipe_q, pipe_k, pipe_v, tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
-                mO, mLSE, sQ, sK, sV, atom_O, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2,
-                m_block, head, batch, n_block_max, seqlen_q, seqlen_k,
+                mO, mLSE, sQ, sK, sV, sO, atom_O, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2,
+                tiles, mQ.shape[0], mK.shape[0],
             )
+
+    @cute.jit
+    def _tile(self, mQ: cute.Tensor, mK: cute.Tensor, heads_per_section: Int32, qheads_per_kvhead: Int32, tile: Int32):
+        """(m_block, head, head_kv, batch, n_block_max) of tile number ``tile``."""
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        num_m_blocks, heads = cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2]
+        if const_expr(self.causal):  # longest tiles first, in L2-sized sections of heads
+            m_block, head, batch = tile_scheduler.tile_coords(
+                tile, num_m_blocks, heads, mQ.shape[3], heads_per_section, longest_first=True
+            )
+        else:
+            pair = tile // num_m_blocks
+            m_block, head, batch = tile - pair * num_m_blocks, pair % heads, pair // heads
+        # At least one block: a Q block that sees no key (causal, seqlen_q > seqlen_k) runs block 0
+        # fully masked and ends with O = 0 and LSE = +inf, like any other empty row.
+        n_block_max = cutlass.max(
+            block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal), 1
+        )
+        return m_block, head, head // qheads_per_kvhead, batch, n_block_max
+
+    def _nth_tile(self, r: Int32) -> Int32:
+        """This CTA's r-th tile: round r covers tiles [r * grid, (r + 1) * grid), dealt in alternating
+        directions, so that with longest-first tiles a CTA that got a round's longest tile gets the
+        next round's shortest (a non-persistent grid has one round: tile = block index)."""
+        return tile_scheduler.nth_tile(r, cute.arch.block_idx()[0], cute.arch.grid_dim()[0])
+
+    def _num_tiles(self, mQ: cute.Tensor):
+        return cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
 
     # ------------------------------------------------------------------ producer warp
     @cute.jit
@@ -224,41 +257,44 @@ class FlashAttentionForwardSm90:
         pipe_q: pipeline.PipelineAsync,
         pipe_k: pipeline.PipelineAsync,
         pipe_v: pipeline.PipelineAsync,
-        m_block: Int32,
-        head: Int32,
-        head_kv: Int32,
-        batch: Int32,
-        n_block_max: Int32,
+        tiles,
     ):
         """TMA loads in the order the consumers need them: K[last], Q, then per block K[n-1]
-        before V[n] (the consumers issue the next Q K^T before this block's P V)."""
+        before V[n] (the consumers issue the next Q K^T before this block's P V); tile by tile."""
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
-        tQsQ, tQgQ = common.tma_tiles(atom_Q, cute.local_tile(mQ[None, None, head, batch], tile_q, (m_block, 0)), sQ)
-        tKsK, tKgK = common.tma_tiles(atom_K, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
-        tVsV, tVgV = common.tma_tiles(atom_V, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
-
-        load_K = partial(self._tma_load, pipe_k, atom_K, tKgK, tKsK)
-        load_V = partial(self._tma_load, pipe_v, atom_V, tVgV, tVsV)
-
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        load_K(n_block_max - 1, kv)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        if const_expr(self.intra_wg_overlap):
-            for i in cutlass.range(n_block_max - 1, unroll=1):
-                n_block = n_block_max - 1 - i
-                v_state = kv.clone()
+        rounds = Int32(0)
+        tile = self._nth_tile(rounds)
+        while tile < self._num_tiles(mQ):
+            m_block, head, head_kv, batch, n_block_max = tiles(tile)
+            tQsQ, tQgQ = common.tma_tiles(atom_Q, cute.local_tile(mQ[None, None, head, batch], tile_q, (m_block, 0)), sQ)
+            tKsK, tKgK = common.tma_tiles(atom_K, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
+            tVsV, tVgV = common.tma_tiles(atom_V, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
+            load_K = partial(self._tma_load, pipe_k, atom_K, tKgK, tKsK)
+            load_V = partial(self._tma_load, pipe_v, atom_V, tVgV, tVsV)
+
+            load_K(n_block_max - 1, kv)
+            pipe_q.producer_acquire(q_state)  # the previous tile's consumers are done with sQ
+            cute.copy(atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+            if const_expr(self.intra_wg_overlap):
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    v_state = kv.clone()
+                    kv.advance()
+                    load_K(n_block_max - 2 - i, kv)
+                    load_V(n_block_max - 1 - i, v_state)
+                load_V(0, kv)
                 kv.advance()
-                load_K(n_block - 1, kv)
-                load_V(n_block, v_state)
-            load_V(0, kv)
-        else:
-            load_V(n_block_max - 1, kv)
-            for i in cutlass.range(n_block_max - 1, unroll=1):
+            else:
+                load_V(n_block_max - 1, kv)
                 kv.advance()
-                load_K(n_block_max - 2 - i, kv)
-                load_V(n_block_max - 2 - i, kv)
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    load_K(n_block_max - 2 - i, kv)
+                    load_V(n_block_max - 2 - i, kv)
+                    kv.advance()
+            rounds += 1
+            tile = self._nth_tile(rounds)
 
     @cute.jit
     def _tma_load(self, pipe, atom, src: cute.Tensor, dst: cute.Tensor, n_block: Int32, state):
@@ -275,6 +311,7 @@ class FlashAttentionForwardSm90:
         sQ: cute.Tensor,
         sK: cute.Tensor,
         sV: cute.Tensor,
+        sO: cute.Tensor,
         atom_O: cute.CopyAtom,
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
@@ -282,10 +319,7 @@ class FlashAttentionForwardSm90:
         pipe_k: pipeline.PipelineAsync,
         pipe_v: pipeline.PipelineAsync,
         softmax_scale_log2: Float32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        n_block_max: Int32,
+        tiles,
         seqlen_q: Int32,
         seqlen_k: Int32,
     ):
@@ -301,49 +335,63 @@ class FlashAttentionForwardSm90:
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(sV)))
         tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-        acc_O.fill(0.0)
-
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS, tScS_thread0 = thr_qk.partition_C(cS), mma_qk.get_slice(0).partition_C(cS)
-        softmax = OnlineSoftmax(softmax_scale_log2, num_rows=cute.size(acc_to_rows_cols(acc_O).shape[0]))
-        mask = partial(apply_mask, tScS=tScS, tScS_thread0=tScS_thread0, m_block=m_block, tile_m=self.tile_m,
-                       tile_n=self.tile_n, seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=self.causal)
-        ctx = (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg)
+        num_rows = cute.size(acc_to_rows_cols(acc_O).shape[0])
 
-        pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         if const_expr(self.pingpong):
             if wg == 0:  # the first consumer warpgroup issues its GEMMs first
                 self._scheduler_arrive_own(wg)
-
-        # Blocks [n_block_mask_start, n_block_max) cross the diagonal or the seqlen_k end and are
-        # masked (non-causal: only the first, the seqlen_k boundary); the rest need no mask.
-        num_masked = cutlass.max(
-            n_block_max
-            - cutlass.max(block_info.n_block_mask_start(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal), 0),
-            1,
-        )
-        if const_expr(not self.causal):
-            num_masked = 1
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if const_expr(self.intra_wg_overlap):
-            self._first_block(ctx, kv, n_block_max - 1)
-            for i in cutlass.range(num_masked - 1, unroll=1):
-                kv = self._attend_overlapped(ctx, kv, n_block_max - 2 - i, masked=True)
-            for i in cutlass.range(n_block_max - num_masked, unroll=1):
-                kv = self._attend_overlapped(ctx, kv, n_block_max - num_masked - 1 - i, masked=False)
-            # the last block's P V
-            pipe_v.consumer_wait(kv)
-            common.wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False, wait=0)
-            pipe_v.consumer_release(kv)
-        else:
-            self._scheduler_sync(wg)
-            for i in cutlass.range(num_masked, unroll=1):
-                kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
-            for i in cutlass.range(n_block_max - num_masked, unroll=1):
-                kv = self._attend_serial(ctx, kv, n_block_max - num_masked - 1 - i, masked=False)
-            self._scheduler_arrive_next(wg)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        rounds = Int32(0)
+        tile = self._nth_tile(rounds)
+        while tile < self._num_tiles(mO):
+            m_block, head, _, batch, n_block_max = tiles(tile)
+            acc_O.fill(0.0)
+            softmax = OnlineSoftmax(softmax_scale_log2, num_rows)  # fresh row statistics per tile
+            mask = partial(apply_mask, tScS=tScS, tScS_thread0=tScS_thread0, m_block=m_block, tile_m=self.tile_m,
+                           tile_n=self.tile_n, seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=self.causal)
+            ctx = (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg)
+            pipe_q.consumer_wait(q_state)
 
-        self._epilogue(acc_O, softmax, mO, mLSE, sQ, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q)
+            # Blocks [n_block_mask_start, n_block_max) cross the diagonal or the seqlen_k end and
+            # are masked (non-causal: only the first, the seqlen_k boundary); the rest need no mask.
+            num_masked = cutlass.max(
+                n_block_max
+                - cutlass.max(block_info.n_block_mask_start(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal), 0),
+                1,
+            )
+            if const_expr(not self.causal):
+                num_masked = 1
+            if const_expr(self.intra_wg_overlap):
+                self._first_block(ctx, kv, n_block_max - 1)
+                for i in cutlass.range(num_masked - 1, unroll=1):
+                    kv = self._attend_overlapped(ctx, kv, n_block_max - 2 - i, masked=True)
+                for i in cutlass.range(n_block_max - num_masked, unroll=1):
+                    kv = self._attend_overlapped(ctx, kv, n_block_max - num_masked - 1 - i, masked=False)
+                if const_expr(self.persistent):
+                    pipe_q.consumer_release(q_state)  # every Q K^T of this tile has completed
+                # the last block's P V
+                pipe_v.consumer_wait(kv)
+                common.wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False, wait=0)
+                pipe_v.consumer_release(kv)
+                kv.advance()
+            else:
+                self._scheduler_sync(wg)
+                for i in cutlass.range(num_masked, unroll=1):
+                    kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
+                for i in cutlass.range(n_block_max - num_masked, unroll=1):
+                    kv = self._attend_serial(ctx, kv, n_block_max - num_masked - 1 - i, masked=False)
+                self._scheduler_arrive_next(wg)
+                if const_expr(self.persistent):
+                    pipe_q.consumer_release(q_state)
+            q_state.advance()
+            self._epilogue(acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q)
+            rounds += 1
+            tile = self._nth_tile(rounds)
+        if tidx < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the last store read it
 
     @cute.jit
     def _first_block(self, ctx, kv, n_block: Int32):
@@ -418,8 +466,9 @@ class FlashAttentionForwardSm90:
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER_WG1) + wg, number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
-    def _epilogue(self, acc_O, softmax, mO, mLSE, sQ, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q):
-        """O /= rowsum and LSE; O -> shared memory (Q's buffer, stmatrix) -> global (one TMA store)."""
+    def _epilogue(self, acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q):
+        """O /= rowsum and LSE; O -> shared memory (its own buffer when persistent, else Q's; stmatrix)
+        -> global (one TMA store, left in flight until sO is needed again)."""
         lse = softmax.finalize(acc_O)
         rO = convert(acc_O, self.dtype)
 
@@ -432,16 +481,18 @@ class FlashAttentionForwardSm90:
                 if rows[r, 0][0] < rows_left:
                     gLSE[rows[r, 0][0]] = lse[r]
 
-        # every consumer warpgroup is done reading sQ (its last Q K^T has been waited on)
+        # sO is free: the previous tile's store has read it, and (when sO is Q's buffer) every
+        # consumer warpgroup is done reading sQ (its last Q K^T has been waited on)
+        if tidx < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
         copy_O = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv)
         thr_copy_O = copy_O.get_slice(tidx)
-        cute.copy(copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sQ))
+        cute.copy(copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
         cute.arch.fence_view_async_shared()  # the generic-proxy writes above, visible to TMA
         cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
         if tidx < 32:
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-            tOsO, tOgO = common.tma_tiles(atom_O, gO, sQ)
+            tOsO, tOgO = common.tma_tiles(atom_O, gO, sO)
             cute.copy(atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory stays valid until read
