@@ -127,7 +127,7 @@ def test_tile_scheduler_visits_every_tile_once_longest_first():
     from cute_attn.kernels.tile_scheduler import tile_coords
 
     for m_blocks, heads, batch, section in [(5, 3, 2, 4), (16, 8, 2, 32), (3, 7, 1, 2), (1, 1, 1, 5), (4, 6, 3, 1)]:
-        tiles = [tile_coords(i, m_blocks, heads, batch, section, True) for i in range(m_blocks * heads * batch)]
+        tiles = [tile_coords(i, m_blocks, heads, batch, section) for i in range(m_blocks * heads * batch)]
         assert sorted(tiles) == sorted(itertools.product(range(m_blocks), range(heads), range(batch)))
         # within the first section, every pair's last Q block comes before any pair's next-to-last
         width = min(section, heads * batch)

@@ -23,8 +23,8 @@ def heads_per_section(seqlen_k, head_dim: int, elem_bytes: int):
     return Int32(cutlass.max(cutlass.Int64(L2_BYTES_FOR_KV) // cutlass.max(kv_bytes, 1), 1))
 
 
-def tile_coords(block: Int32, num_m_blocks: Int32, heads: Int32, batch: Int32, section: Int32, longest_first: bool):
-    """(m_block, head, batch) of linear CTA index ``block``."""
+def tile_coords(block: Int32, num_m_blocks: Int32, heads: Int32, batch: Int32, section: Int32):
+    """(m_block, head, batch) of tile number ``block`` in longest-first order."""
     pairs = heads * batch
     section_blocks = section * num_m_blocks
     index = block // section_blocks
@@ -32,8 +32,7 @@ def tile_coords(block: Int32, num_m_blocks: Int32, heads: Int32, batch: Int32, s
     rest = block - index * section_blocks
     m_index = rest // width
     pair = index * section + (rest - m_index * width)
-    m_block = num_m_blocks - 1 - m_index if longest_first else m_index
-    return m_block, pair % heads, pair // heads
+    return num_m_blocks - 1 - m_index, pair % heads, pair // heads
 
 
 def nth_tile(r, cta, grid):

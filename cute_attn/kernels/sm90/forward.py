@@ -51,8 +51,8 @@ class FlashAttentionForwardSm90:
     """Compile-time configuration of one forward variant; ``__call__`` is the host-side launch.
 
     head_dim: the padded head dim (TMA zero-fills the columns past the actual one on load and
-    clips them on store). intra_wg_overlap / pingpong switch the two overlap techniques (on by
-    default; off only to measure what they buy).
+    clips them on store, so ``check_hdim`` needs no code here). intra_wg_overlap / pingpong switch
+    the two overlap techniques; persistent: one CTA per SM walking the tiles.
     """
 
     def __init__(
@@ -76,7 +76,6 @@ class FlashAttentionForwardSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.causal = causal
-        self.check_hdim = check_hdim  # TMA handles the padding; kept for the key's sake
         self.intra_wg_overlap = intra_wg_overlap
         self.num_consumer_wgs = tile_m // 64
         self.pingpong = pingpong and self.num_consumer_wgs > 1
@@ -130,7 +129,7 @@ class FlashAttentionForwardSm90:
 
         # Tiles are numbered (Q block fastest, then head, then batch): one head's Q blocks run
         # together and share its K/V in L2. Causal: longest first instead (tile_scheduler).
-        num_tiles = cute.ceil_div(mQ.shape[0], m) * mQ.shape[2] * mQ.shape[3]
+        num_tiles = self._num_tiles(mQ)
         section = Int32(1)
         if const_expr(self.causal):
             section = tile_scheduler.heads_per_section(mK.shape[0], d, self.dtype.width // 8)
@@ -219,9 +218,7 @@ class FlashAttentionForwardSm90:
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         num_m_blocks, heads = cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2]
         if const_expr(self.causal):  # longest tiles first, in L2-sized sections of heads
-            m_block, head, batch = tile_scheduler.tile_coords(
-                tile, num_m_blocks, heads, mQ.shape[3], heads_per_section, longest_first=True
-            )
+            m_block, head, batch = tile_scheduler.tile_coords(tile, num_m_blocks, heads, mQ.shape[3], heads_per_section)
         else:
             pair = tile // num_m_blocks
             m_block, head, batch = tile - pair * num_m_blocks, pair % heads, pair // heads
@@ -233,12 +230,11 @@ class FlashAttentionForwardSm90:
         return m_block, head, head // qheads_per_kvhead, batch, n_block_max
 
     def _nth_tile(self, r: Int32) -> Int32:
-        """This CTA's r-th tile: round r covers tiles [r * grid, (r + 1) * grid), dealt in alternating
-        directions, so that with longest-first tiles a CTA that got a round's longest tile gets the
-        next round's shortest (a non-persistent grid has one round: tile = block index)."""
+        """This CTA's r-th tile (tile_scheduler.nth_tile; a non-persistent grid has one round)."""
         return tile_scheduler.nth_tile(r, cute.arch.block_idx()[0], cute.arch.grid_dim()[0])
 
     def _num_tiles(self, mQ: cute.Tensor):
+        """Q blocks x heads x batch of a (seqlen, head_dim, heads, batch) view."""
         return cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
 
     # ------------------------------------------------------------------ producer warp
