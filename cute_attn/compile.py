@@ -30,6 +30,7 @@ from cute_attn.traits import (
     sm80_backward_traits,
     sm80_forward_traits,
     sm90_forward_traits,
+    sm90_seqlen_tiers,
 )
 
 DTYPES = ("bf16", "fp16")
@@ -59,16 +60,16 @@ class ForwardKey:
 
 @functools.lru_cache(maxsize=None)
 def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capacity: int | None = None,
-                traits=None, kernel: str = "sm80", short: bool = False) -> ForwardKey:
+                traits=None, kernel: str = "sm80", seqlen: int = 0) -> ForwardKey:
     """The forward variant for these parameters. ``kernel="sm90"`` (only for target sm_90a) falls
     back to the SM80 kernel where the SM90 table has no entry that fits ``smem_capacity``; explicit
-    ``traits`` pick the family they belong to. ``short``: causal inputs with both sequence lengths
-    at most ``traits.SHORT_SEQLEN`` (the SM90 table has tiles of their own for them)."""
+    ``traits`` pick the family they belong to. ``seqlen``: max(seqlen_q, seqlen_k), which picks
+    the SM90 table's tier (it runs other tiles and grids on short and long sequences)."""
     padded = padded_head_dim(head_dim)
     if traits is not None:
         kernel, candidates = ("sm90" if isinstance(traits, Sm90ForwardTraits) else "sm80"), (traits,)
-    elif kernel == "sm90" and target == "sm_90a" and sm90_forward_traits(head_dim, causal, smem_capacity, short):
-        candidates = sm90_forward_traits(head_dim, causal, smem_capacity, short)
+    elif kernel == "sm90" and target == "sm_90a" and sm90_forward_traits(head_dim, causal, smem_capacity, seqlen):
+        candidates = sm90_forward_traits(head_dim, causal, smem_capacity, seqlen)
     else:
         kernel, candidates = "sm80", sm80_forward_traits(head_dim, causal, smem_capacity)
     if kernel == "sm90" and target != "sm_90a":
@@ -299,8 +300,9 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
         raise ValueError(f"unknown forward kernel family {key.kernel!r}")
     q, k, v, o, lse = _fake_attention_tensors(dtype)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    # the SM90 kernel also takes the number of SMs (the size of a persistent grid)
-    extra = (cutlass.Int32(132),) if key.kernel == "sm90" else ()
+    # the SM90 kernel also takes the number of SMs (the size of a persistent grid) and the causal
+    # tile order's heads per section
+    extra = (cutlass.Int32(132), cutlass.Int32(1)) if key.kernel == "sm90" else ()
     return _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), *extra, stream,
                     target=key.target, keep_artifacts=keep_artifacts, ptxas_options=ptxas)
 
@@ -427,14 +429,14 @@ def forward_variants(
     """Every forward variant over the given axes (ahead-of-time lists for tools/ and tests): each
     kernel family on each target it runs on (SM90 only on sm_90a)."""
     keys = {
-        forward_key(target, dtype, d, c, kernel=kernel, short=short): None
+        forward_key(target, dtype, d, c, kernel=kernel, seqlen=seqlen): None
         for kernel in kernels
         for target in targets
         if kernel == "sm80" or target == "sm_90a"
         for d in head_dims
         for dtype in dtypes
         for c in causal
-        for short in ((False, True) if c and kernel == "sm90" else (False,))
+        for seqlen in (sm90_seqlen_tiers(d, c) if kernel == "sm90" else (0,))
     }
     return list(keys)
 

@@ -12,7 +12,7 @@ import torch
 
 from cute_attn import compile as compile_mod
 from cute_attn import dispatch
-from cute_attn.traits import MAX_HEAD_DIM, SHORT_SEQLEN
+from cute_attn.traits import MAX_HEAD_DIM
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _ALIGN_BYTES = 16
@@ -133,12 +133,19 @@ def _launch_forward(q, k, v, out, lse, causal: bool, scale: float, traits=None) 
     plan = dispatch.plan_for_device(q.device)
     key = compile_mod.forward_key(
         plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], causal, plan.smem_capacity, traits=traits,
-        kernel=plan.kernel, short=causal and max(q.shape[1], k.shape[1]) <= SHORT_SEQLEN,
+        kernel=plan.kernel, seqlen=max(q.shape[1], k.shape[1]),
     )
     kernel = compile_mod.forward_cache.get(key)
     with torch.cuda.device(q.device):
         if key.kernel == "sm90":
-            kernel(q, k, v, out, lse, scale * math.log2(math.e), plan.num_sms)
+            # causal tile order: a persistent grid goes head by head, one CTA per tile in L2-sized
+            # sections of heads (kernels/tile_scheduler.py)
+            section = 1
+            if causal and not compile_mod.forward_cache.chosen(key).persistent:
+                from cute_attn.kernels.tile_scheduler import heads_per_section
+
+                section = heads_per_section(k.shape[1], key.head_dim, q.element_size())
+            kernel(q, k, v, out, lse, scale * math.log2(math.e), plan.num_sms, section)
         else:
             kernel(q, k, v, out, lse, scale * math.log2(math.e))
 

@@ -106,43 +106,44 @@ class Sm90ForwardTraits:
 
 
 # SM90 forward (wgmma, TMA, warp specialisation): one CTA per SM, so the tiles take as much of the
-# 227 KB of shared memory as helps. Per head dim: (non-causal, causal, causal with short sequences)
-# candidates. Measured on H100 (tools/bench.py --sweep; docs/performance.md).
-# - persistent ('ps') where O's extra buffer fits: measured +1-20% non-causal at S 512-2048 (the
-#   next tile's loads overlap this one's epilogue) and level from 4096. Causal it gained at
-#   S <= 1024 (d128 +17% at 512) but lost 2-14% from S = 2048 on (a static deal of longest-first
-#   tiles balances worse than the hardware's launch order), so only short causal inputs
-#   (max(seqlen_q, seqlen_k) <= SHORT_SEQLEN) take it; d64 there also takes 128-row tiles
-#   (+30% at S = 512, +20% at 1024 over 192 rows).
+# 227 KB of shared memory as helps. Per head dim and causality, tiers of (the longest sequence the
+# tier serves, max(seqlen_q, seqlen_k); None: any) and traits, first match wins. Measured on H100
+# (tools/bench.py --sweep, peers in the same runs; docs/performance.md):
+# - persistent ('ps') where O's extra buffer fits: non-causal +1-20% at S 512-2048 (the next tile's
+#   loads overlap this one's epilogue) and level from 4096. Causal, with tiles dealt head by head
+#   (kernels/tile_scheduler.py): d128 +12% at S 2048, +7% at 4096, +3% at 8192, but -28% at 16384,
+#   where a static deal of tiles from 1 to 128 blocks long balances worse than the hardware's launch
+#   order; d64 +7% at S 2048-4096 and -8% to -10% from 8192. A dynamic deal (an atomic tile counter
+#   read by the producer warp) measured -6%..+3% against these choices and was not kept.
+# - d64 causal at S <= 1024 takes 128-row tiles: +13% over 192 rows.
 # - d128: ping-pong on top of the intra-warpgroup overlap measured -7%..+1% in one sweep and
 #   -1%..+1.5% in another (S 1024-16384), so d128 runs the simpler schedule, the overlap alone.
+# - larger K/V blocks lost everywhere: d64 m128n192 -19%, m128n160 -20%, m192n96 -8%; d128 m128n176
+#   -6% to -23%, m128n160 -3% to -12% (S 1024-16384, 09:03 UTC run); d128 m128n192 spills.
 _m192 = dict(tile_m=192, tile_n=128, num_stages=2)
 _m128 = dict(tile_m=128, tile_n=128, num_stages=2)
-SHORT_SEQLEN = 1024
+_T = Sm90ForwardTraits
 SM90_FORWARD = {
-    32: (
-        (Sm90ForwardTraits(32, **_m192, persistent=True),),
-        (Sm90ForwardTraits(32, **_m192),),
-        (Sm90ForwardTraits(32, **_m128, persistent=True),),
-    ),
-    64: (
-        (Sm90ForwardTraits(64, **_m192, persistent=True),),
-        (Sm90ForwardTraits(64, **_m192),),
-        (Sm90ForwardTraits(64, **_m128, persistent=True),),
-    ),
-    96: (
-        (Sm90ForwardTraits(96, **_m128, persistent=True),),
-        (Sm90ForwardTraits(96, **_m128),),
-        (Sm90ForwardTraits(96, **_m128, persistent=True),),
-    ),
-    128: (
-        (Sm90ForwardTraits(128, **_m128, pingpong=False, persistent=True),),
-        (Sm90ForwardTraits(128, **_m128, pingpong=False),),
-        (Sm90ForwardTraits(128, **_m128, pingpong=False, persistent=True),),
-    ),
+    32: {
+        False: ((None, _T(32, **_m192, persistent=True)),),
+        True: ((1024, _T(32, **_m128, persistent=True)), (None, _T(32, **_m192))),
+    },
+    64: {
+        False: ((None, _T(64, **_m192, persistent=True)),),
+        True: ((1024, _T(64, **_m128, persistent=True)), (4096, _T(64, **_m192, persistent=True)),
+               (None, _T(64, **_m192))),
+    },
+    96: {
+        False: ((None, _T(96, **_m128, persistent=True)),),
+        True: ((1024, _T(96, **_m128, persistent=True)), (None, _T(96, **_m128))),
+    },
+    128: {
+        False: ((None, _T(128, **_m128, pingpong=False, persistent=True)),),
+        True: ((8192, _T(128, **_m128, pingpong=False, persistent=True)), (None, _T(128, **_m128, pingpong=False))),
+    },
     # d192/d256: Q, K and V fill shared memory; O reuses Q's buffer, so no persistent grid
-    192: ((Sm90ForwardTraits(192, tile_m=128, tile_n=112, num_stages=2),),) * 3,
-    256: ((Sm90ForwardTraits(256, tile_m=128, tile_n=80, num_stages=2),),) * 3,
+    192: dict.fromkeys((False, True), ((None, _T(192, tile_m=128, tile_n=112, num_stages=2)),)),
+    256: dict.fromkeys((False, True), ((None, _T(256, tile_m=128, tile_n=80, num_stages=2)),)),
 }
 
 
@@ -168,7 +169,7 @@ def fit_to_smem(traits: ForwardTraits, smem_capacity: int) -> ForwardTraits:
 
 def parse_traits(spec: str, head_dim: int):
     """A traits spec for tools and sweeps -> traits. SM80: 'm128n64w4s2' (optionally followed by
-    'c2' and/or 'r3'); SM90: 'm128n128s2' (optionally 'o0', 'p0')."""
+    'c2' and/or 'r3'); SM90: 'm128n128s2' (optionally 'o0', 'p0', 'ps')."""
     import re
 
     d = padded_head_dim(head_dim)
@@ -196,12 +197,18 @@ def sm80_forward_traits(head_dim: int, causal: bool = False,
 
 
 def sm90_forward_traits(head_dim: int, causal: bool = False, smem_capacity: int | None = None,
-                        short: bool = False) -> tuple[Sm90ForwardTraits, ...]:
-    """The SM90 candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80);
-    ``short``: causal with max(seqlen_q, seqlen_k) <= SHORT_SEQLEN."""
-    entry = SM90_FORWARD.get(padded_head_dim(head_dim), ((), (), ()))
-    candidates = entry[2 if causal and short else int(bool(causal))]
-    return tuple(t for t in candidates if not smem_capacity or t.smem_bytes() <= smem_capacity)
+                        seqlen: int = 0) -> tuple[Sm90ForwardTraits, ...]:
+    """The SM90 candidates for ``head_dim`` and ``seqlen`` = max(seqlen_q, seqlen_k) that fit
+    ``smem_capacity`` (empty: use SM80)."""
+    tiers = SM90_FORWARD.get(padded_head_dim(head_dim), {}).get(bool(causal), ())
+    chosen = next((t for longest, t in tiers if longest is None or seqlen <= longest), None)
+    return tuple(t for t in (chosen,) if t is not None and (not smem_capacity or t.smem_bytes() <= smem_capacity))
+
+
+def sm90_seqlen_tiers(head_dim: int, causal: bool) -> tuple[int, ...]:
+    """One sequence length per tier of the SM90 table (for listing every variant)."""
+    tiers = SM90_FORWARD.get(padded_head_dim(head_dim), {}).get(bool(causal), ())
+    return tuple(longest for longest, _ in tiers[:-1]) + ((1 << 30,) if tiers else ())
 
 
 @dataclass(frozen=True)

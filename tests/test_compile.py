@@ -110,15 +110,30 @@ def test_sm90_falls_back_to_sm80_where_it_cannot_run():
     sm90 = parse_traits("m128n128s2o0p0", 128)
     assert sm90 == Sm90ForwardTraits(128, 128, 128, 2, intra_wg_overlap=False, pingpong=False)
     assert sm90.spec == "m128n128s2o0p0"
+    options = parse_traits("m192n128s2p0ps", 64)
+    assert (options.pingpong, options.persistent) == (False, True)
+    assert options.spec == "m192n128s2p0ps"
     with pytest.raises(ValueError):
         forward_key("sm_86", "bf16", 128, False, traits=sm90)
 
 
 def test_sm90_traits_fit_hopper_shared_memory():
-    for d, entries in SM90_FORWARD.items():
-        for t in sum(entries, ()):
-            assert t.head_dim == d and t.tile_m % 64 == 0 and t.tile_n % 16 == 0
-            assert t.smem_bytes() <= 227 * 1024, f"d{d} {t.spec} does not fit H100"
+    for d, by_causal in SM90_FORWARD.items():
+        for tiers in by_causal.values():
+            assert tiers[-1][0] is None, f"d{d}: the last tier must serve any sequence length"
+            for _, t in tiers:
+                assert t.head_dim == d and t.tile_m % 64 == 0 and t.tile_n % 16 == 0
+                assert t.smem_bytes() <= 227 * 1024, f"d{d} {t.spec} does not fit H100"
+
+
+def test_sm90_seqlen_tiers_pick_their_traits():
+    # d128 causal: persistent up to 8192, one CTA per tile beyond; non-causal: one entry
+    assert forward_key("sm_90a", "bf16", 128, True, kernel="sm90", seqlen=8192).candidates[0].persistent
+    assert not forward_key("sm_90a", "bf16", 128, True, kernel="sm90", seqlen=8193).candidates[0].persistent
+    assert forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=1000).candidates[0].tile_m == 128
+    assert forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=2048).candidates[0].tile_m == 192
+    sm90 = [k for k in forward_variants(["sm_90a"], [64], ["bf16"], [True], kernels=["sm90"])]
+    assert len(sm90) == len(SM90_FORWARD[64][True])  # every tier listed once
 
 
 def test_tile_scheduler_visits_every_tile_once_longest_first():
@@ -132,6 +147,16 @@ def test_tile_scheduler_visits_every_tile_once_longest_first():
         # within the first section, every pair's last Q block comes before any pair's next-to-last
         width = min(section, heads * batch)
         assert all(m == m_blocks - 1 for m, _, _ in tiles[:width])
+        if section == 1:  # head by head, longest first
+            assert [t[0] for t in tiles[:m_blocks]] == list(range(m_blocks - 1, -1, -1))
+
+
+def test_heads_per_section_fits_the_l2_budget():
+    from cute_attn.kernels.tile_scheduler import L2_BYTES_FOR_KV, heads_per_section
+
+    per_head = 1024 * 2 * 128 * 2  # K and V of one head: seqlen 1024, d128, bf16
+    assert heads_per_section(1024, 128, 2) == L2_BYTES_FOR_KV // per_head
+    assert heads_per_section(10**7, 256, 2) == 1  # one head over the budget still makes a section
 
 
 def test_persistent_rounds_deal_every_tile_once():
@@ -184,3 +209,4 @@ def test_cubin_resources_reads_registers_and_frame():
     fn = build_forward(key, keep_artifacts=True)
     res = artifacts.cubin_resources(fn.__cubin__)
     assert 32 < res["registers"] <= 255 and res["stack_frame"] == 0
+

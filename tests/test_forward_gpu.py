@@ -84,3 +84,45 @@ def test_new_shapes_do_not_recompile():
         q, k, v = random_qkv(3, seqlen, seqlen + 7, 4, 2, 64, torch.bfloat16)
         cute_attn.forward(q, k, v)
     assert len(compile_mod.forward_cache._fns) == before
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_row_max_growing_block_by_block(causal):
+    """Keys grow in magnitude toward the start of the sequence, which the kernels visit last, so a
+    row's max rises in many blocks: by less than the lazy-rescale threshold (the old reference is
+    kept and P exceeds 1) and by more (O is rescaled)."""
+    seqlen = 1500
+    q, k, v = random_qkv(2, seqlen, seqlen, 4, 2, 128, torch.bfloat16)
+    ramp = torch.linspace(4.0, 0.5, seqlen, device="cuda").view(1, seqlen, 1, 1)
+    k = (k.float() * ramp).to(k.dtype)
+    out, lse = cute_attn.forward(q, k, v, causal=causal, out=poisoned_like(q), return_lse=True)
+    ref, same, ref_lse = reference_pair(q, k, v, causal)
+    check_close("out", out, ref, same, 1e-5, "growing max")
+    check_lse(lse, ref_lse, "growing max")
+
+
+# SM90 traits beside the table's (tools/bench.py --sweep): schedules and tiles the table does not
+# pick, with and without the persistent grid
+SM90_OTHER_SPECS = [
+    (128, "m128n128s2o0p0"), (64, "m192n128s2o0ps"), (128, "m128n176s2p0"), (64, "m128n192s2ps"),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,spec", SM90_OTHER_SPECS)
+def test_forward_sm90_other_traits(arch, head_dim, spec, causal):
+    import math
+
+    from cute_attn.interface import _launch_forward
+    from cute_attn.traits import parse_traits
+
+    if arch != "sm90":
+        pytest.skip("SM90 traits")
+    for seqlen_q, seqlen_k, dtype in [(1000, 1000, torch.bfloat16), (300, 2048, torch.float16), (2048, 127, torch.bfloat16)]:
+        case = f"{spec} causal={causal} sq={seqlen_q} sk={seqlen_k} {dtype}"
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
+        out, lse = poisoned_like(q), poisoned_like(q, (2, 4, seqlen_q), torch.float32)
+        _launch_forward(q, k, v, out, lse, causal, 1 / math.sqrt(head_dim), traits=parse_traits(spec, head_dim))
+        ref, same, ref_lse = reference_pair(q, k, v, causal)
+        check_close("out", out, ref, same, 1e-5, case)
+        check_lse(lse, ref_lse, case)

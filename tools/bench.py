@@ -10,6 +10,8 @@ Peers: torch SDPA with the flash (FlashAttention-2) and cuDNN backends, and Flas
 FLOPs = 4 * batch * heads * seqlen^2 * head_dim, halved when causal; backward counts 2.5x that,
 forward+backward 3.5x. Backward is timed as autograd.grad of an existing output (each
 implementation's own backward kernels, pre/postprocessing included).
+Each shape is timed in ``--rounds`` rounds (each implementation once per round, in turn; the
+median is reported), so clock and power drift during a run reach every column alike.
 Prints a markdown table (TFLOP/s, and cute_attn over the best peer); writes JSON and a PNG plot.
 """
 
@@ -20,6 +22,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -106,23 +109,40 @@ def _cute_attn_backward_runners(sweep: list[str]):
     return runners
 
 
-def _timed(fn, q, k, v, causal: bool, mode: str) -> float:
+def _timed(fn, q, k, v, causal: bool, mode: str, rep_ms: float) -> float:
     """Milliseconds for one forward, one backward, or both."""
     if mode == "fwd":
         with torch.no_grad():
-            return _time_ms(lambda: fn(q, k, v, causal))
+            return _time_ms(lambda: fn(q, k, v, causal), rep_ms)
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     dout = torch.randn_like(q)
     if mode == "bwd":
         out = fn(q, k, v, causal)
-        return _time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
-    return _time_ms(lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout))
+        return _time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), rep_ms)
+    return _time_ms(lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout), rep_ms)
 
 
-def _time_ms(fn) -> float:
+def _time_ms(fn, rep_ms: float) -> float:
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+
+
+def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int, where: str) -> dict:
+    """Median milliseconds per implementation over ``rounds`` rounds, each round timing every
+    implementation once in turn: clock and power drift during a run then reach every column
+    alike instead of favouring whichever ran first. None for one that failed."""
+    times = {name: [] for name in impls}
+    for _ in range(rounds):
+        for name, fn in impls.items():
+            if times[name] is None:
+                continue
+            try:
+                times[name].append(_timed(fn, q, k, v, causal, mode, rep_ms=max(100 / rounds, 20)))
+            except Exception as e:  # noqa: BLE001
+                print(f"# {name} {mode} failed at {where}: {type(e).__name__}: {e}", file=sys.stderr)
+                times[name] = None
+    return {name: (statistics.median(t) if t else None) for name, t in times.items()}
 
 
 def main(argv=None):
@@ -136,6 +156,8 @@ def main(argv=None):
     p.add_argument("--sweep", nargs="*", default=[], help="cute_attn with other forward traits too: SM80 m128n64w4s2, SM90 m128n128s2 (o0: no intra-warpgroup overlap, p0: no ping-pong)")
     p.add_argument("--bwd-sweep", nargs="*", default=[], help="extra cute_attn SM80 backward traits, e.g. m64n128w8a2b4c2")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="time every implementation once per round, in turn, and report the median")
     p.add_argument("--out", default="bench_results", help="directory for JSON and PNG")
     args = p.parse_args(argv)
 
@@ -154,13 +176,10 @@ def main(argv=None):
                     flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
                     flops *= {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
                     row = {"mode": mode, "head_dim": d, "causal": causal, "seqlen": s, "batch": batch, "heads": heads}
-                    for name, fn in impls.items():
-                        try:
-                            row[name] = flops / _timed(fn, q, k, v, bool(causal), mode) / 1e9
-                        except Exception as e:  # noqa: BLE001
-                            print(f"# {name} {mode} failed at d={d} causal={causal} S={s}: {type(e).__name__}: {e}",
-                                  file=sys.stderr)
-                            row[name] = None
+                    times = _time_interleaved(impls, q, k, v, bool(causal), mode, args.rounds,
+                                              f"d={d} causal={causal} S={s}")
+                    for name, ms in times.items():
+                        row[name] = None if ms is None else flops / ms / 1e9
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
     _report(rows, list(ours) + list(ours_bwd), list(peers), args)

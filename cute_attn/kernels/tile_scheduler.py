@@ -1,13 +1,19 @@
-"""Which (Q block, head, batch) tile a CTA of a 1-D grid computes.
+"""Which (Q block, head, batch) tile a CTA of a 1-D grid computes, and in which order.
 
-Longest-processing-time first, L2-aware (the FlashAttention-3 idea): with causal masking the last
-Q blocks see the most keys, so every head's last Q block is launched before any head's
-second-to-last, and so on; the short tiles fill the tail of the grid instead of the long ones.
-Done over all heads at once, that would stream every head's K and V through L2 once per Q
-block, so the (batch, head) pairs are cut into sections of ``heads_per_section`` whose K and V fit
-in L2 together, and the LPT order runs inside each section.
+Tiles are numbered head by head (Q block fastest, then head, then batch), so the tiles running at
+any moment share the K and V of a few heads in L2.
 
-A persistent grid deals the numbered tiles out round by round (``nth_tile``).
+Causal tiles differ in length (the last Q block sees the most keys), so they run longest first
+(longest-processing-time, the FlashAttention-3 idea): the long tiles start early and the short
+ones fill the tail. Over all heads at once that would stream every head's K and V through L2
+once per Q block, so the (batch, head) pairs are cut into sections of ``heads_per_section`` and
+the longest-first order runs inside each section. The host picks the section (a kernel argument):
+- one CTA per tile (the hardware launches them in order): K and V of a section's heads within an
+  L2 budget (``heads_per_section``);
+- a persistent grid, which deals the tiles out statically round by round (``nth_tile``): a
+  section of one head. Measured on H100 (docs/performance.md), wider sections there lost up to
+  30% at d128 causal S 1024-8192: each round then held the same Q block of many heads, which
+  re-read K and V from DRAM (ncu: 1.4x the bytes Q, K, V and O occupy) and dealt unequal work.
 """
 
 import cutlass
@@ -17,14 +23,14 @@ from cutlass import Int32
 L2_BYTES_FOR_KV = 32 * 1024 * 1024
 
 
-def heads_per_section(seqlen_k, head_dim: int, elem_bytes: int):
-    """How many heads' K and V fit in the L2 budget together (at least 1). Host side, traced."""
-    kv_bytes = cutlass.Int64(seqlen_k) * (2 * head_dim * elem_bytes)
-    return Int32(cutlass.max(cutlass.Int64(L2_BYTES_FOR_KV) // cutlass.max(kv_bytes, 1), 1))
+def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int) -> int:
+    """How many heads' K and V fit in the L2 budget together (at least 1); host side."""
+    return max(L2_BYTES_FOR_KV // max(seqlen_k * 2 * head_dim * elem_bytes, 1), 1)
 
 
 def tile_coords(block: Int32, num_m_blocks: Int32, heads: Int32, batch: Int32, section: Int32):
-    """(m_block, head, batch) of tile number ``block`` in longest-first order."""
+    """(m_block, head, batch) of tile number ``block`` in longest-first order within sections of
+    ``section`` (batch, head) pairs; a section of 1 is head by head, last Q block first."""
     pairs = heads * batch
     section_blocks = section * num_m_blocks
     index = block // section_blocks

@@ -97,6 +97,7 @@ class FlashAttentionForwardSm90:
         mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32
         softmax_scale_log2: Float32,
         num_sms: Int32,  # CTAs of a persistent grid
+        heads_per_section: Int32,  # causal tile order (tile_scheduler): chosen by the host
         stream: cuda.CUstream,
     ):
         # TMA copies tiles of the first two modes: view the tensors as (seqlen, head_dim, heads, batch)
@@ -128,17 +129,14 @@ class FlashAttentionForwardSm90:
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) if self.persistent else 64], 1024]
 
         # Tiles are numbered (Q block fastest, then head, then batch): one head's Q blocks run
-        # together and share its K/V in L2. Causal: longest first instead (tile_scheduler).
+        # together and share its K/V in L2. Causal: longest first in sections of heads (tile_scheduler).
         num_tiles = self._num_tiles(mQ)
-        section = Int32(1)
-        if const_expr(self.causal):
-            section = tile_scheduler.heads_per_section(mK.shape[0], d, self.dtype.width // 8)
         grid = num_tiles
         if const_expr(self.persistent):
             grid = cutlass.min(num_tiles, num_sms)
         qheads_per_kvhead = mQ.shape[2] // mK.shape[2]  # GQA/MQA: K/V are shared, never copied
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, section, qheads_per_kvhead,
+            tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, heads_per_section, qheads_per_kvhead,
             atom_Q, atom_K, atom_V, atom_O, sQ_layout, sKV_layout, mma_qk, mma_pv, SharedStorage,
         ).launch(
             grid=(grid, 1, 1),
