@@ -68,6 +68,9 @@ def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capac
     padded = padded_head_dim(head_dim)
     if traits is not None:
         kernel, candidates = ("sm90" if isinstance(traits, Sm90ForwardTraits) else "sm80"), (traits,)
+        if smem_capacity and traits.smem_bytes() > smem_capacity:
+            raise ValueError(f"traits {traits.spec} need {traits.smem_bytes()} bytes of shared memory, "
+                             f"the GPU has {smem_capacity}")
     elif kernel == "sm90" and target == "sm_90a" and sm90_forward_traits(head_dim, causal, smem_capacity, seqlen):
         candidates = sm90_forward_traits(head_dim, causal, smem_capacity, seqlen)
     else:

@@ -115,6 +115,8 @@ def test_sm90_falls_back_to_sm80_where_it_cannot_run():
     assert options.spec == "m192n128s2p0ps"
     with pytest.raises(ValueError):
         forward_key("sm_86", "bf16", 128, False, traits=sm90)
+    with pytest.raises(ValueError, match="shared memory"):  # 3 stages + O's buffer: 264 KB
+        forward_key("sm_90a", "bf16", 128, False, 227 * 1024, traits=parse_traits("m128n128s3p0ps", 128))
 
 
 def test_sm90_traits_fit_hopper_shared_memory():
