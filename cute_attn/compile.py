@@ -30,6 +30,7 @@ from cute_attn.traits import (
     sm80_backward_traits,
     sm80_forward_traits,
     sm90_forward_traits,
+    sm90_seqlen_tier,
     sm90_seqlen_tiers,
 )
 
@@ -58,13 +59,20 @@ class ForwardKey:
         )
 
 
-@functools.lru_cache(maxsize=None)
 def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capacity: int | None = None,
                 traits=None, kernel: str = "sm80", seqlen: int = 0) -> ForwardKey:
     """The forward variant for these parameters. ``kernel="sm90"`` (only for target sm_90a) falls
     back to the SM80 kernel where the SM90 table has no entry that fits ``smem_capacity``; explicit
     ``traits`` pick the family they belong to. ``seqlen``: max(seqlen_q, seqlen_k), which picks
     the SM90 table's tier (it runs other tiles and grids on short and long sequences)."""
+    # every sequence length of a tier maps to one cached key
+    tier = sm90_seqlen_tier(head_dim, causal, seqlen) if kernel == "sm90" and traits is None else 0
+    return _forward_key(target, dtype, head_dim, causal, smem_capacity, traits, kernel, tier)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capacity: int | None,
+                 traits, kernel: str, seqlen: int) -> ForwardKey:
     padded = padded_head_dim(head_dim)
     if traits is not None:
         kernel, candidates = ("sm90" if isinstance(traits, Sm90ForwardTraits) else "sm80"), (traits,)

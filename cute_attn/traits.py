@@ -211,6 +211,11 @@ def sm90_seqlen_tiers(head_dim: int, causal: bool) -> tuple[int, ...]:
     return tuple(longest for longest, _ in tiers[:-1]) + ((1 << 30,) if tiers else ())
 
 
+def sm90_seqlen_tier(head_dim: int, causal: bool, seqlen: int) -> int:
+    """The member of ``sm90_seqlen_tiers`` whose tier serves ``seqlen``."""
+    return next((t for t in sm90_seqlen_tiers(head_dim, causal) if seqlen <= t), 1 << 30)
+
+
 @dataclass(frozen=True)
 class BackwardTraits:
     head_dim: int  # padded head dim

@@ -136,6 +136,9 @@ def test_sm90_seqlen_tiers_pick_their_traits():
     assert forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=2048).candidates[0].tile_m == 192
     sm90 = [k for k in forward_variants(["sm_90a"], [64], ["bf16"], [True], kernels=["sm90"])]
     assert len(sm90) == len(SM90_FORWARD[64][True])  # every tier listed once
+    # lengths of one tier share one key (the key cache does not grow with every new length)
+    assert forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=300) is forward_key(
+        "sm_90a", "bf16", 64, True, kernel="sm90", seqlen=1000)
 
 
 def test_tile_scheduler_visits_every_tile_once_longest_first():
