@@ -196,18 +196,22 @@ def sm80_forward_traits(head_dim: int, causal: bool = False,
     return candidates
 
 
+def _sm90_tiers(head_dim: int, causal: bool) -> tuple:
+    """The SM90 table's (longest sequence or None, traits) tiers for ``head_dim`` (empty: none)."""
+    return SM90_FORWARD.get(padded_head_dim(head_dim), {}).get(bool(causal), ())
+
+
 def sm90_forward_traits(head_dim: int, causal: bool = False, smem_capacity: int | None = None,
                         seqlen: int = 0) -> tuple[Sm90ForwardTraits, ...]:
     """The SM90 candidates for ``head_dim`` and ``seqlen`` = max(seqlen_q, seqlen_k) that fit
     ``smem_capacity`` (empty: use SM80)."""
-    tiers = SM90_FORWARD.get(padded_head_dim(head_dim), {}).get(bool(causal), ())
-    chosen = next((t for longest, t in tiers if longest is None or seqlen <= longest), None)
+    chosen = next((t for longest, t in _sm90_tiers(head_dim, causal) if longest is None or seqlen <= longest), None)
     return tuple(t for t in (chosen,) if t is not None and (not smem_capacity or t.smem_bytes() <= smem_capacity))
 
 
 def sm90_seqlen_tiers(head_dim: int, causal: bool) -> tuple[int, ...]:
     """One sequence length per tier of the SM90 table (for listing every variant)."""
-    tiers = SM90_FORWARD.get(padded_head_dim(head_dim), {}).get(bool(causal), ())
+    tiers = _sm90_tiers(head_dim, causal)
     return tuple(longest for longest, _ in tiers[:-1]) + ((1 << 30,) if tiers else ())
 
 
