@@ -305,6 +305,7 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
         kernel = FlashAttentionForwardSm90(
             dtype, key.head_dim, t.tile_m, t.tile_n, t.num_stages, key.causal, key.check_hdim,
             intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong, persistent=t.persistent,
+            overlap_tiles=t.overlap_tiles,
         )
         ptxas = ""
     else:

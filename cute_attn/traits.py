@@ -91,18 +91,23 @@ class Sm90ForwardTraits:
     intra_wg_overlap: bool = True  # issue the next Q K^T before this block's softmax
     pingpong: bool = True  # named barriers alternate the consumer warpgroups' GEMMs
     persistent: bool = False  # one CTA per SM walks the tiles (O gets its own shared buffer)
+    # persistent, with the intra-warpgroup overlap: the next tile's first Q K^T runs under this
+    # tile's epilogue (Q gets a second shared buffer)
+    overlap_tiles: bool = False
 
     @property
     def spec(self) -> str:
         """'m128n128s2' (+ 'o0' without intra-warpgroup overlap, 'p0' without ping-pong, 'ps'
-        persistent)."""
+        persistent, 'ot' overlapping tiles)."""
         return (f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
                 f"{'' if self.intra_wg_overlap else 'o0'}{'' if self.pingpong else 'p0'}"
-                f"{'ps' if self.persistent else ''}")
+                f"{'ps' if self.persistent else ''}{'ot' if self.overlap_tiles else ''}")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
+        # persistent: O has a buffer of its own; overlapping tiles: Q has two
+        q_tiles = 2 if self.overlap_tiles and self.persistent and self.intra_wg_overlap else 1
         o_tile = self.tile_m if self.persistent else 0
-        return elem_bytes * self.head_dim * (self.tile_m + o_tile + 2 * self.num_stages * self.tile_n) + 2048
+        return elem_bytes * self.head_dim * (q_tiles * self.tile_m + o_tile + 2 * self.num_stages * self.tile_n) + 2048
 
 
 # SM90 forward (wgmma, TMA, warp specialisation): one CTA per SM, so the tiles take as much of the
@@ -118,6 +123,11 @@ class Sm90ForwardTraits:
 # - d64 causal at S <= 1024 takes 128-row tiles: +13% over 192 rows.
 # - d128: ping-pong on top of the intra-warpgroup overlap measured -7%..+1% in one sweep and
 #   -1%..+1.5% in another (S 1024-16384), so d128 runs the simpler schedule, the overlap alone.
+# - overlapping tiles ('ot': the next tile's first Q K^T under this tile's epilogue, two Q buffers),
+#   same-process A/B against the kernel without it (10:47-11:09 UTC): d64 non-causal +10-13% at
+#   S 512, +5% at 1024, +1-4% from 2048 (with one Q buffer it lost: the next Q arrives too late);
+#   d64 causal level (-2%..+1%); d128 -3..-5% from S 2048 (a second Q buffer takes shared memory
+#   to 224 KB; with one, level from 4096 but -4% at 1024). So d32/d64 non-causal only.
 # - larger K/V blocks lost everywhere: d64 m128n192 -19%, m128n160 -20%, m192n96 -8%; d128 m128n176
 #   -6% to -23%, m128n160 -3% to -12% (S 1024-16384, 09:03 UTC run); d128 m128n192 spills.
 _m192 = dict(tile_m=192, tile_n=128, num_stages=2)
@@ -125,11 +135,11 @@ _m128 = dict(tile_m=128, tile_n=128, num_stages=2)
 _T = Sm90ForwardTraits
 SM90_FORWARD = {
     32: {
-        False: ((None, _T(32, **_m192, persistent=True)),),
+        False: ((None, _T(32, **_m192, persistent=True, overlap_tiles=True)),),
         True: ((1024, _T(32, **_m128, persistent=True)), (None, _T(32, **_m192))),
     },
     64: {
-        False: ((None, _T(64, **_m192, persistent=True)),),
+        False: ((None, _T(64, **_m192, persistent=True, overlap_tiles=True)),),
         True: ((1024, _T(64, **_m128, persistent=True)), (4096, _T(64, **_m192, persistent=True)),
                (None, _T(64, **_m192))),
     },
@@ -169,19 +179,19 @@ def fit_to_smem(traits: ForwardTraits, smem_capacity: int) -> ForwardTraits:
 
 def parse_traits(spec: str, head_dim: int):
     """A traits spec for tools and sweeps -> traits. SM80: 'm128n64w4s2' (optionally followed by
-    'c2' and/or 'r3'); SM90: 'm128n128s2' (optionally 'o0', 'p0', 'ps')."""
+    'c2' and/or 'r3'); SM90: 'm128n128s2' (optionally 'o0', 'p0', 'ps', 'ot')."""
     import re
 
     d = padded_head_dim(head_dim)
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(o0)?(p0)?(ps)?", spec)
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(o0)?(p0)?(ps)?(ot)?", spec)
     if m:
-        tile_m, tile_n, stages, no_overlap, no_pingpong, persistent = m.groups()
+        tile_m, tile_n, stages, no_overlap, no_pingpong, persistent, overlap_tiles = m.groups()
         return Sm90ForwardTraits(d, int(tile_m), int(tile_n), int(stages), not no_overlap, not no_pingpong,
-                                 bool(persistent))
+                                 bool(persistent), bool(overlap_tiles))
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(?:c(\d+))?(?:r(\d+))?", spec)
     if not m:
         raise ValueError(f"traits spec must look like m128n64w4s2 (SM80, optionally c2/r3) or m128n128s2 "
-                         f"(SM90, optionally o0/p0/ps), got {spec!r}")
+                         f"(SM90, optionally o0/p0/ps/ot), got {spec!r}")
     tile_m, tile_n, warps, stages, chunks, level = m.groups()
     return ForwardTraits(d, int(tile_m), int(tile_n), int(warps), int(stages),
                          int(level) if level is not None else None, int(chunks) if chunks is not None else 1)

@@ -113,6 +113,10 @@ def test_sm90_falls_back_to_sm80_where_it_cannot_run():
     options = parse_traits("m192n128s2p0ps", 64)
     assert (options.pingpong, options.persistent) == (False, True)
     assert options.spec == "m192n128s2p0ps"
+    tiles = parse_traits("m192n128s2psot", 64)
+    assert (tiles.persistent, tiles.overlap_tiles, tiles.spec) == (True, True, "m192n128s2psot")
+    # overlapping tiles keep a second Q buffer: d128 m128 then takes 224 KB (still fits H100)
+    assert parse_traits("m128n128s2psot", 128).smem_bytes() - parse_traits("m128n128s2ps", 128).smem_bytes() == 128 * 128 * 2
     with pytest.raises(ValueError):
         forward_key("sm_86", "bf16", 128, False, traits=sm90)
     with pytest.raises(ValueError, match="shared memory"):  # 3 stages + O's buffer: 264 KB

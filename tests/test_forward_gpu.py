@@ -45,6 +45,21 @@ def test_forward_matches_reference(head_dim, dtype, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_forward_many_tiles_per_cta(head_dim, causal):
+    """More Q tiles than SMs: a persistent grid's CTAs walk several tiles each, and every tile
+    after the first starts under the previous one's epilogue (SM90 ``_tile_boundary``)."""
+    for batch, seqlen_q, seqlen_k, dtype in [(4, 1000, 1000, torch.bfloat16), (4, 700, 1500, torch.float16),
+                                             (24, 1, 1500, torch.bfloat16), (3, 1500, 300, torch.float16)]:
+        case = f"d={head_dim} {dtype} causal={causal} b={batch} sq={seqlen_q} sk={seqlen_k}"
+        q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 16, 4, head_dim, dtype)
+        out, lse = cute_attn.forward(q, k, v, causal=causal, out=poisoned_like(q), return_lse=True)
+        ref, same, ref_lse = reference_pair(q, k, v, causal)
+        check_close("out", out, ref, same, 1e-5, case)
+        check_lse(lse, ref_lse, case)
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_forward_strided_inputs_and_scale(causal):
     """Non-contiguous q/k/v (a packed qkv buffer), an explicit scale, and an explicit out."""
     batch, seqlen, heads, head_dim = 2, 333, 4, 64
@@ -105,6 +120,7 @@ def test_forward_row_max_growing_block_by_block(causal):
 # pick, with and without the persistent grid
 SM90_OTHER_SPECS = [
     (128, "m128n128s2o0p0"), (64, "m192n128s2o0ps"), (128, "m128n176s2p0"), (64, "m128n192s2ps"),
+    (128, "m128n128s2psot"), (96, "m128n128s2p0psot"),
 ]
 
 
@@ -118,10 +134,12 @@ def test_forward_sm90_other_traits(arch, head_dim, spec, causal):
 
     if arch != "sm90":
         pytest.skip("SM90 traits")
-    for seqlen_q, seqlen_k, dtype in [(1000, 1000, torch.bfloat16), (300, 2048, torch.float16), (2048, 127, torch.bfloat16)]:
-        case = f"{spec} causal={causal} sq={seqlen_q} sk={seqlen_k} {dtype}"
-        q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
-        out, lse = poisoned_like(q), poisoned_like(q, (2, 4, seqlen_q), torch.float32)
+    # the last case has more tiles than SMs: a persistent grid's CTAs walk several each
+    for batch, seqlen_q, seqlen_k, dtype in [(2, 1000, 1000, torch.bfloat16), (2, 300, 2048, torch.float16),
+                                             (2, 2048, 127, torch.bfloat16), (8, 700, 1500, torch.float16)]:
+        case = f"{spec} causal={causal} b={batch} sq={seqlen_q} sk={seqlen_k} {dtype}"
+        q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
+        out, lse = poisoned_like(q), poisoned_like(q, (batch, 4, seqlen_q), torch.float32)
         _launch_forward(q, k, v, out, lse, causal, 1 / math.sqrt(head_dim), traits=parse_traits(spec, head_dim))
         ref, same, ref_lse = reference_pair(q, k, v, causal)
         check_close("out", out, ref, same, 1e-5, case)

@@ -44,6 +44,10 @@ class OnlineSoftmax:
         self.threads_per_row = threads_per_row
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        self.reset()
+
+    def reset(self):
+        """Fresh statistics, for the next tile of rows."""
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
 

@@ -17,8 +17,9 @@ WARPGROUP_THREADS = 128
 class NamedBarrier(enum.IntEnum):
     """Hardware named barriers (0 is __syncthreads)."""
 
-    EPILOGUE = 1  # all consumer threads: done reading sQ before O overwrites it; O in smem
+    EPILOGUE = 1  # all consumer threads: O (a whole tile, in Q's buffer) in shared memory
     SCHEDULER_WG1 = 2  # ping-pong: consumer warpgroup i waits on SCHEDULER_WG1 + i - 1
+    EPILOGUE_WG1 = 5  # consumer warpgroup i's threads: its rows of O in shared memory (5, 6, 7)
 
 
 def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):

@@ -2,8 +2,9 @@
 
 Tiles of ``tile_m = 64 * consumer warpgroups`` Q rows, numbered Q block fastest, then head, then
 batch (causal: longest first, kernels/tile_scheduler.py). One CTA per tile, or with ``persistent``
-one CTA per SM walking the tiles (``_nth_tile``), so that a tile's loads overlap the previous
-tile's epilogue.
+one CTA per SM walking the tiles (``_nth_tile``): the next tile's loads overlap this tile, and
+with ``overlap_tiles`` (two Q buffers) its first S = Q K^T runs under this tile's epilogue
+(``_tile_boundary``).
 
 Warp specialisation (``kernel``):
 - warpgroup 0, the producer: its first warp issues every TMA load (Q once, then K and V block by
@@ -21,8 +22,9 @@ while the other does its softmax, so the tensor cores and the exp2 units stay bu
 K/V blocks are visited from the last visible one down, as in the SM80 kernel, so the blocks that
 need a mask (the seqlen_k end, the causal diagonal) come first; the masking, block ranges and
 softmax are the same code (kernels/mask.py, block_info.py, softmax.py). O leaves through shared
-memory (its own buffer when persistent, else Q's) and one TMA store, which clips rows past
-seqlen_q and padded columns.
+memory and TMA stores, which clip rows past seqlen_q and padded columns: persistent, each consumer
+warpgroup stores its 64 rows from a buffer of O's own; otherwise the whole tile goes out through
+Q's buffer.
 """
 
 from functools import partial
@@ -52,7 +54,8 @@ class FlashAttentionForwardSm90:
 
     head_dim: the padded head dim (TMA zero-fills the columns past the actual one on load and
     clips them on store, so ``check_hdim`` needs no code here). intra_wg_overlap / pingpong switch
-    the two overlap techniques; persistent: one CTA per SM walking the tiles.
+    the two overlap techniques; persistent: one CTA per SM walking the tiles; overlap_tiles
+    (persistent only): the next tile's first Q K^T under this tile's epilogue.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class FlashAttentionForwardSm90:
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
         persistent: bool = False,
+        overlap_tiles: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in REGISTER_SPLIT, "tile_m: 64, 128 or 192"
         assert tile_n % 16 == 0 and head_dim % 16 == 0 and tile_n <= 256
@@ -85,6 +89,15 @@ class FlashAttentionForwardSm90:
         # persistent: one CTA per SM walks the tiles, so a tile's loads overlap the previous tile's
         # epilogue; O then needs a buffer of its own (otherwise it reuses Q's)
         self.persistent = persistent
+        # with a buffer of its own (persistent), each consumer warpgroup stores its 64 rows of O
+        # by itself, without waiting for the others (one CTA per tile: O reuses Q's buffer, which
+        # every warpgroup must be done reading first)
+        self.per_wg_store = persistent
+        # overlap_tiles (persistent, with the intra-warpgroup overlap): the next tile's first Q K^T
+        # runs under this tile's epilogue (``_tile_boundary``), so the next tile's Q must be in
+        # shared memory by then: two Q buffers
+        self.overlap_tiles = overlap_tiles and persistent and intra_wg_overlap
+        self.q_stages = 2 if self.overlap_tiles else 1
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -105,28 +118,34 @@ class FlashAttentionForwardSm90:
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mO)
         ]
         d, m, n, s = self.head_dim, self.tile_m, self.tile_n, self.num_stages
-        sQ_layout = common.smem_layout(self.dtype, m, d)  # and O's
+        sQ_layout = common.smem_layout(self.dtype, m, d, self.q_stages)
+        sQ_stage = cute.select(sQ_layout, mode=[0, 1])  # also O's, when O reuses Q's buffer
         sKV_layout = common.smem_layout(self.dtype, n, d, s)
         sKV_stage = cute.select(sKV_layout, mode=[0, 1])
 
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_layout, (m, d))
+        atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_stage, (m, d))
         atom_K, tma_K = cpasync.make_tiled_tma_atom(load, mK, sKV_stage, (n, d))
         atom_V, tma_V = cpasync.make_tiled_tma_atom(load, mV, sKV_stage, (n, d))
-        atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO, sQ_layout, (m, d))
+        # O's buffer: Q's (m, d) layout, or (64, d, warpgroup) when each warpgroup stores its own rows
+        sO_layout = common.smem_layout(self.dtype, 64, d, self.num_consumer_wgs) if const_expr(self.per_wg_store) else sQ_stage
+        if const_expr(self.per_wg_store):
+            atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO, cute.select(sO_layout, mode=[0, 1]), (64, d))
+        else:
+            atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO, sQ_stage, (m, d))
 
         mma_qk = common.tiled_mma(self.dtype, self.num_consumer_wgs, n, b_major_mn=False, a_in_registers=False)
         mma_pv = common.tiled_mma(self.dtype, self.num_consumer_wgs, d, b_major_mn=True, a_in_registers=True)
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]  # full + empty barrier per stage
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]  # full + empty barrier per stage
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * s]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * s]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) if self.persistent else 64], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout) if self.persistent else 64], 1024]
 
         # Tiles are numbered (Q block fastest, then head, then batch): one head's Q blocks run
         # together and share its K/V in L2. Causal: longest first in sections of heads (tile_scheduler).
@@ -137,7 +156,7 @@ class FlashAttentionForwardSm90:
         qheads_per_kvhead = mQ.shape[2] // mK.shape[2]  # GQA/MQA: K/V are shared, never copied
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, heads_per_section, qheads_per_kvhead,
-            atom_Q, atom_K, atom_V, atom_O, sQ_layout, sKV_layout, mma_qk, mma_pv, SharedStorage,
+            atom_Q, atom_K, atom_V, atom_O, sQ_layout, sKV_layout, sO_layout, mma_qk, mma_pv, SharedStorage,
         ).launch(
             grid=(grid, 1, 1),
             block=[self.num_threads, 1, 1],
@@ -164,6 +183,7 @@ class FlashAttentionForwardSm90:
         atom_O: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -182,7 +202,9 @@ class FlashAttentionForwardSm90:
         make_pipeline = partial(
             pipeline.PipelineTmaAsync.create, producer_group=tma_thread, consumer_group=consumer_warps, defer_sync=True
         )
-        pipe_q = make_pipeline(barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, tx_count=stage_bytes * self.tile_m)
+        pipe_q = make_pipeline(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages, tx_count=stage_bytes * self.tile_m
+        )
         pipe_k = make_pipeline(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, tx_count=stage_bytes * self.tile_n
         )
@@ -195,7 +217,10 @@ class FlashAttentionForwardSm90:
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
 
-        sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(self.persistent) else sQ
+        if const_expr(self.persistent):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = sQ[None, None, 0]
         tiles = partial(self._tile, mQ, mK, heads_per_section, qheads_per_kvhead)
         pipeline.pipeline_init_wait()
 
@@ -257,7 +282,7 @@ class FlashAttentionForwardSm90:
         before V[n] (the consumers issue the next Q K^T before this block's P V); tile by tile."""
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         rounds = Int32(0)
         tile = self._nth_tile(rounds)
         while tile < self._num_tiles(mQ):
@@ -269,8 +294,8 @@ class FlashAttentionForwardSm90:
             load_V = partial(self._tma_load, pipe_v, atom_V, tVgV, tVsV)
 
             load_K(n_block_max - 1, kv)
-            pipe_q.producer_acquire(q_state)  # the previous tile's consumers are done with sQ
-            cute.copy(atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            pipe_q.producer_acquire(q_state)  # the consumers are done with this Q buffer's previous tile
+            cute.copy(atom_Q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
             if const_expr(self.intra_wg_overlap):
                 for i in cutlass.range(n_block_max - 1, unroll=1):
@@ -337,18 +362,27 @@ class FlashAttentionForwardSm90:
             if wg == 0:  # the first consumer warpgroup issues its GEMMs first
                 self._scheduler_arrive_own(wg)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        softmax = OnlineSoftmax(softmax_scale_log2, num_rows)
+        masker = partial(apply_mask, tScS=tScS, tScS_thread0=tScS_thread0, tile_m=self.tile_m, tile_n=self.tile_n,
+                         seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=self.causal)
+        num_tiles = self._num_tiles(mO)
         rounds = Int32(0)
         tile = self._nth_tile(rounds)
-        while tile < self._num_tiles(mO):
-            m_block, head, _, batch, n_block_max = tiles(tile)
-            acc_O.fill(0.0)
-            softmax = OnlineSoftmax(softmax_scale_log2, num_rows)  # fresh row statistics per tile
-            mask = partial(apply_mask, tScS=tScS, tScS_thread0=tScS_thread0, m_block=m_block, tile_m=self.tile_m,
-                           tile_n=self.tile_n, seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=self.causal)
-            ctx = (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg)
+        if const_expr(self.overlap_tiles):
+            # the first tile's first block (every CTA has a first tile: the grid is at most the
+            # number of tiles); every later tile's comes with the previous tile's last block
+            # (_tile_boundary)
+            first_m_block, _, _, _, first_n_block_max = tiles(tile)
+            self._start_tile(acc_O, softmax)
             pipe_q.consumer_wait(q_state)
-
+            self._first_block(mma_qk, thr_qk, tSrQ[None, None, None, q_state.index], tSrK, tOrP, softmax,
+                              partial(masker, m_block=first_m_block), pipe_k, kv, first_n_block_max - 1)
+        while tile < num_tiles:
+            m_block, head, _, batch, n_block_max = tiles(tile)
+            mask = partial(masker, m_block=m_block)
+            tSrQ_tile = tSrQ[None, None, None, q_state.index]
+            ctx = (mma_qk, mma_pv, thr_qk, tSrQ_tile, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg)
             # Blocks [n_block_mask_start, n_block_max) cross the diagonal or the seqlen_k end and
             # are masked (non-causal: only the first, the seqlen_k boundary); the rest need no mask.
             num_masked = cutlass.max(
@@ -359,19 +393,30 @@ class FlashAttentionForwardSm90:
             if const_expr(not self.causal):
                 num_masked = 1
             if const_expr(self.intra_wg_overlap):
-                self._first_block(ctx, kv, n_block_max - 1)
+                if const_expr(not self.overlap_tiles):
+                    self._start_tile(acc_O, softmax)
+                    pipe_q.consumer_wait(q_state)
+                    self._first_block(mma_qk, thr_qk, tSrQ_tile, tSrK, tOrP, softmax, mask, pipe_k, kv, n_block_max - 1)
                 for i in cutlass.range(num_masked - 1, unroll=1):
                     kv = self._attend_overlapped(ctx, kv, n_block_max - 2 - i, masked=True)
                 for i in cutlass.range(n_block_max - num_masked, unroll=1):
                     kv = self._attend_overlapped(ctx, kv, n_block_max - num_masked - 1 - i, masked=False)
                 if const_expr(self.persistent):
                     pipe_q.consumer_release(q_state)  # every Q K^T of this tile has completed
-                # the last block's P V
-                pipe_v.consumer_wait(kv)
-                common.wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False, wait=0)
-                pipe_v.consumer_release(kv)
+                q_state.advance()
+                rounds += 1
+                next_tile = self._nth_tile(rounds)
+                # the last block's P V and the epilogue (overlap_tiles: the next tile's first Q K^T under it)
+                v_state = kv.clone()
                 kv.advance()
+                self._tile_boundary(
+                    ctx, v_state, kv, q_state, pipe_q, tSrQ, masker, tiles, next_tile, num_tiles,
+                    partial(self._epilogue, acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx,
+                            m_block, head, batch, seqlen_q),
+                )
             else:
+                self._start_tile(acc_O, softmax)
+                pipe_q.consumer_wait(q_state)
                 self._scheduler_sync(wg)
                 for i in cutlass.range(num_masked, unroll=1):
                     kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
@@ -380,24 +425,84 @@ class FlashAttentionForwardSm90:
                 self._scheduler_arrive_next(wg)
                 if const_expr(self.persistent):
                     pipe_q.consumer_release(q_state)
-            q_state.advance()
-            self._epilogue(acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q)
-            rounds += 1
-            tile = self._nth_tile(rounds)
-        if tidx < 32:
+                q_state.advance()
+                self._epilogue(acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q)
+                rounds += 1
+                next_tile = self._nth_tile(rounds)
+            tile = next_tile
+        if self._issues_store(tidx):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the last store read it
 
+    @staticmethod
+    def _start_tile(acc_O: cute.Tensor, softmax: OnlineSoftmax):
+        """O = 0 and fresh row statistics (a helper: a method call on ``softmax`` in a run-time
+        loop's body would make the DSL carry it through the loop)."""
+        acc_O.fill(0.0)
+        softmax.reset()
+
     @cute.jit
-    def _first_block(self, ctx, kv, n_block: Int32):
-        """S of the first (always masked) block and its P; its P V is issued with the next block's S."""
-        mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg = ctx
+    def _first_block(self, mma_qk, thr_qk, tSrQ, tSrK, tOrP, softmax, mask, pipe_k, kv, n_block: Int32):
+        """S of a tile's first (always masked) block and its P; its P V is issued with the next block's S."""
         pipe_k.consumer_wait(kv)
         acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         common.wgmma(mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait=0)
         pipe_k.consumer_release(kv)
+        self._first_softmax(acc_S, tOrP, softmax, mask, n_block)
+
+    @cute.jit
+    def _first_softmax(self, acc_S, tOrP, softmax, mask, n_block: Int32):
+        """Mask, softmax with fresh statistics, and P of a tile's first block."""
         mask(acc_S, n_block=n_block)
         softmax.update(acc_S, check_inf=self.causal)  # O is still zero: no rescale
         tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+
+    @cute.jit
+    def _tile_boundary(self, ctx, v_state, kv, q_state, pipe_q, tSrQ_stages, masker, tiles, next_tile: Int32,
+                       num_tiles: Int32, epilogue):
+        """O += P V of this tile's last block, then the epilogue. With ``overlap_tiles``, once O is
+        final and converted, S = Q K^T of the next tile's first block (when this CTA has a next
+        tile) is issued and runs under the rest of the epilogue (LSE, shared-memory and TMA stores),
+        then the next first block's softmax. Otherwise this warpgroup's tensor cores would idle
+        from its last P V until the next tile's first softmax is done, a large share of the time
+        on short sequences (4 blocks per tile at S = 512). The next S is issued only after O is
+        converted, so that both accumulators are never live at once (register pressure)."""
+        mma_qk, mma_pv, thr_qk, _, tSrK, tOrVt, tOrP, acc_O, softmax, _, pipe_k, pipe_v, wg = ctx
+        pipe_v.consumer_wait(v_state)
+        self._scheduler_sync(wg)
+        common.wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], zero_init=False, wait=-1)
+        self._scheduler_arrive_next(wg)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+
+        if const_expr(not self.overlap_tiles):
+            epilogue()
+        else:
+            has_next = next_tile < num_tiles
+            acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+            epilogue(issue_next=partial(self._next_first_qk, has_next, mma_qk, acc_S, tSrQ_stages, tSrK, pipe_q,
+                                        q_state, pipe_k, kv))
+            self._next_first_softmax(has_next, acc_S, tOrP, acc_O, softmax, pipe_k, kv, masker, tiles, next_tile)
+
+    @cute.jit
+    def _next_first_qk(self, has_next, mma_qk, acc_S, tSrQ_stages, tSrK, pipe_q, q_state, pipe_k, kv):
+        """Issue (without waiting) S = Q K^T of the next tile's first block. The wgmma is issued
+        even when there is no next tile (a discarded product of buffers no longer written): ptxas
+        serialises every wgmma of a kernel that issues one under a run-time branch."""
+        if has_next:
+            pipe_q.consumer_wait(q_state)
+            pipe_k.consumer_wait(kv)
+        common.wgmma(mma_qk, acc_S, tSrQ_stages[None, None, None, q_state.index], tSrK[None, None, None, kv.index],
+                     zero_init=True, wait=-1)
+
+    @cute.jit
+    def _next_first_softmax(self, has_next, acc_S, tOrP, acc_O, softmax, pipe_k, kv, masker, tiles, next_tile: Int32):
+        """Wait for the next tile's first S and turn it into P, with fresh statistics and O = 0."""
+        warpgroup.wait_group(0)
+        if has_next:
+            next_m_block, _, _, _, next_n_block_max = tiles(next_tile)
+            self._start_tile(acc_O, softmax)
+            pipe_k.consumer_release(kv)
+            self._first_softmax(acc_S, tOrP, softmax, partial(masker, m_block=next_m_block), next_n_block_max - 1)
 
     @cute.jit
     def _attend_overlapped(self, ctx, kv, n_block: Int32, masked: cutlass.Constexpr[bool]):
@@ -460,11 +565,15 @@ class FlashAttentionForwardSm90:
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER_WG1) + wg, number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
-    def _epilogue(self, acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q):
+    def _epilogue(self, acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q,
+                  issue_next=None):
         """O /= rowsum and LSE; O -> shared memory (its own buffer when persistent, else Q's; stmatrix)
-        -> global (one TMA store, left in flight until sO is needed again)."""
+        -> global (one TMA store, left in flight until sO is needed again). ``issue_next`` is
+        called once O has left its accumulator (_tile_boundary)."""
         lse = softmax.finalize(acc_O)
         rO = convert(acc_O, self.dtype)
+        if const_expr(issue_next is not None):
+            issue_next()
 
         # LSE: the thread holding column 0 of a row writes it
         gLSE = cute.local_tile(mLSE[batch, head, None], (self.tile_m,), (m_block,))
@@ -475,18 +584,42 @@ class FlashAttentionForwardSm90:
                 if rows[r, 0][0] < rows_left:
                     gLSE[rows[r, 0][0]] = lse[r]
 
-        # sO is free: the previous tile's store has read it, and (when sO is Q's buffer) every
-        # consumer warpgroup is done reading sQ (its last Q K^T has been waited on)
-        if tidx < 32:
+        # sO is free once the previous store from it has read it and, when it is Q's buffer, every
+        # consumer warpgroup's last Q K^T has completed (the barrier below). Persistent: each
+        # warpgroup writes and stores its own 64 rows of O's own buffer, waiting for no other.
+        wg = tidx // WARPGROUP_THREADS
+        if const_expr(self.per_wg_store):
+            barrier = partial(cute.arch.barrier, barrier_id=int(NamedBarrier.EPILOGUE_WG1) + wg,
+                              number_of_threads=WARPGROUP_THREADS)
+        else:
+            barrier = partial(cute.arch.barrier, barrier_id=int(NamedBarrier.EPILOGUE),
+                              number_of_threads=self.num_consumer_threads)
+        if self._issues_store(tidx):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
-        copy_O = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv)
-        thr_copy_O = copy_O.get_slice(tidx)
-        cute.copy(copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
+        barrier()
+        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        if const_expr(self.per_wg_store):  # this warpgroup's (64, d) slice, as one warpgroup's MMA sees it
+            mma_wg = common.tiled_mma(self.dtype, 1, self.head_dim, b_major_mn=True, a_in_registers=True)
+            thr_copy_O = cute.make_tiled_copy_C(stmatrix, mma_wg).get_slice(tidx % WARPGROUP_THREADS)
+            sO_rows = sO[None, None, wg]
+        else:
+            thr_copy_O = cute.make_tiled_copy_C(stmatrix, mma_pv).get_slice(tidx)
+            sO_rows = sO
+        cute.copy(thr_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO_rows))
         cute.arch.fence_view_async_shared()  # the generic-proxy writes above, visible to TMA
-        cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
-        if tidx < 32:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-            tOsO, tOgO = common.tma_tiles(atom_O, gO, sO)
+        barrier()
+        if self._issues_store(tidx):
+            if const_expr(self.per_wg_store):
+                gO = cute.local_tile(mO[None, None, head, batch], (64, self.head_dim), (m_block * self.num_consumer_wgs + wg, 0))
+            else:
+                gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            tOsO, tOgO = common.tma_tiles(atom_O, gO, sO_rows)
             cute.copy(atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
+
+    def _issues_store(self, tidx):
+        """The thread that issues (and waits for) O's TMA stores: one per warpgroup when each
+        stores its own rows, else one in all."""
+        if const_expr(self.per_wg_store):
+            return tidx % WARPGROUP_THREADS == 0
+        return tidx == 0
