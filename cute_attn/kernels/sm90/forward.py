@@ -87,12 +87,10 @@ class FlashAttentionForwardSm90:
         self.num_threads = self.num_consumer_threads + WARPGROUP_THREADS
         self.consumer_regs, self.producer_regs = REGISTER_SPLIT[self.num_consumer_wgs]
         # persistent: one CTA per SM walks the tiles, so a tile's loads overlap the previous tile's
-        # epilogue; O then needs a buffer of its own (otherwise it reuses Q's)
+        # epilogue; O then needs a buffer of its own (otherwise it reuses Q's), from which each
+        # consumer warpgroup stores its 64 rows without waiting for the others (in Q's buffer,
+        # every warpgroup must be done reading Q first)
         self.persistent = persistent
-        # with a buffer of its own (persistent), each consumer warpgroup stores its 64 rows of O
-        # by itself, without waiting for the others (one CTA per tile: O reuses Q's buffer, which
-        # every warpgroup must be done reading first)
-        self.per_wg_store = persistent
         # overlap_tiles (persistent, with the intra-warpgroup overlap): the next tile's first Q K^T
         # runs under this tile's epilogue (``_tile_boundary``), so the next tile's Q must be in
         # shared memory by then: two Q buffers
@@ -127,11 +125,12 @@ class FlashAttentionForwardSm90:
         atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_stage, (m, d))
         atom_K, tma_K = cpasync.make_tiled_tma_atom(load, mK, sKV_stage, (n, d))
         atom_V, tma_V = cpasync.make_tiled_tma_atom(load, mV, sKV_stage, (n, d))
-        # O's buffer: Q's (m, d) layout, or (64, d, warpgroup) when each warpgroup stores its own rows
-        sO_layout = common.smem_layout(self.dtype, 64, d, self.num_consumer_wgs) if const_expr(self.per_wg_store) else sQ_stage
-        if const_expr(self.per_wg_store):
+        # O's buffer: (64, d, warpgroup) of its own when each warpgroup stores its own rows, else Q's
+        if const_expr(self.persistent):
+            sO_layout = common.smem_layout(self.dtype, 64, d, self.num_consumer_wgs)
             atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO, cute.select(sO_layout, mode=[0, 1]), (64, d))
         else:
+            sO_layout = sQ_stage
             atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO, sQ_stage, (m, d))
 
         mma_qk = common.tiled_mma(self.dtype, self.num_consumer_wgs, n, b_major_mn=False, a_in_registers=False)
@@ -588,7 +587,7 @@ class FlashAttentionForwardSm90:
         # consumer warpgroup's last Q K^T has completed (the barrier below). Persistent: each
         # warpgroup writes and stores its own 64 rows of O's own buffer, waiting for no other.
         wg = tidx // WARPGROUP_THREADS
-        if const_expr(self.per_wg_store):
+        if const_expr(self.persistent):
             barrier = partial(cute.arch.barrier, barrier_id=int(NamedBarrier.EPILOGUE_WG1) + wg,
                               number_of_threads=WARPGROUP_THREADS)
         else:
@@ -598,7 +597,7 @@ class FlashAttentionForwardSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         barrier()
         stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype)
-        if const_expr(self.per_wg_store):  # this warpgroup's (64, d) slice, as one warpgroup's MMA sees it
+        if const_expr(self.persistent):  # this warpgroup's (64, d) slice, as one warpgroup's MMA sees it
             mma_wg = common.tiled_mma(self.dtype, 1, self.head_dim, b_major_mn=True, a_in_registers=True)
             thr_copy_O = cute.make_tiled_copy_C(stmatrix, mma_wg).get_slice(tidx % WARPGROUP_THREADS)
             sO_rows = sO[None, None, wg]
@@ -609,7 +608,7 @@ class FlashAttentionForwardSm90:
         cute.arch.fence_view_async_shared()  # the generic-proxy writes above, visible to TMA
         barrier()
         if self._issues_store(tidx):
-            if const_expr(self.per_wg_store):
+            if const_expr(self.persistent):
                 gO = cute.local_tile(mO[None, None, head, batch], (64, self.head_dim), (m_block * self.num_consumer_wgs + wg, 0))
             else:
                 gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
@@ -620,6 +619,6 @@ class FlashAttentionForwardSm90:
     def _issues_store(self, tidx):
         """The thread that issues (and waits for) O's TMA stores: one per warpgroup when each
         stores its own rows, else one in all."""
-        if const_expr(self.per_wg_store):
+        if const_expr(self.persistent):
             return tidx % WARPGROUP_THREADS == 0
         return tidx == 0
