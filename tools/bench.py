@@ -4,14 +4,23 @@
     python tools/bench.py --modes fwd bwd fwdbwd   # forward, backward, forward+backward tables
     python tools/bench.py --seqlens 2048 8192 --head-dims 128 --causal 1
     python tools/bench.py --sweep m128n64w4s2 m128n128s2o0  # cute_attn with other traits too (SM80, SM90)
+    python tools/bench.py --ceiling             # and a bf16 8192^3 matmul in every round, as a ceiling
+    python tools/bench.py --sustained 2         # 2 s of back-to-back calls per timing (power-limited)
 
 Peers: torch SDPA with the flash (FlashAttention-2) and cuDNN backends, and FlashAttention-4
 (``flash_attn.cute``) when importable. Batch = tokens / seqlen, heads = 2048 / head_dim.
 FLOPs = 4 * batch * heads * seqlen^2 * head_dim, halved when causal; backward counts 2.5x that,
 forward+backward 3.5x. Backward is timed as autograd.grad of an existing output (each
 implementation's own backward kernels, pre/postprocessing included).
-Each shape is timed in ``--rounds`` rounds (each implementation once per round, in turn; the
-median is reported), so clock and power drift during a run reach every column alike.
+Each shape is timed in ``--rounds`` rounds (each implementation once per round, in an order
+shuffled anew each round; the median is reported), so clock and power drift during a run reach
+every column alike. By default a timing is ``triton.testing.do_bench``'s median over a ~20 ms
+burst; ``--sustained SECONDS`` times seconds of back-to-back calls instead, the regime of a
+training run, where the H100 sits at its power limit and each kernel gets the clocks its own
+power draw allows.
+With ``--ceiling`` every round also times a bf16 8192^3 ``torch.mm`` (cuBLAS), the practical
+tensor-core ceiling of the GPU at its clocks of that moment, and the table gains its TFLOP/s and
+cute_attn's fraction of it.
 Prints a markdown table (TFLOP/s, and cute_attn over the best peer); writes JSON and a PNG plot.
 """
 
@@ -22,6 +31,7 @@ import datetime
 import json
 import math
 import os
+import random
 import statistics
 import sys
 
@@ -109,40 +119,85 @@ def _cute_attn_backward_runners(sweep: list[str]):
     return runners
 
 
-def _timed(fn, q, k, v, causal: bool, mode: str, rep_ms: float) -> float:
+CEILING = "GEMM 8192^3 (cuBLAS)"
+CEILING_FLOPS = 2 * 8192**3
+
+
+def _ceiling_runner():
+    """A bf16 8192^3 matmul: timed like the others but ignoring the attention inputs."""
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return lambda q, k, v, causal: torch.mm(a, b)
+
+
+def _timed(fn, q, k, v, causal: bool, mode: str, rep_ms: float, sustained_s: float = 0.0) -> float:
     """Milliseconds for one forward, one backward, or both."""
-    if mode == "fwd":
+    if mode == "fwd" or getattr(fn, "is_ceiling", False):
         with torch.no_grad():
-            return _time_ms(lambda: fn(q, k, v, causal), rep_ms)
+            return _time_ms(lambda: fn(q, k, v, causal), rep_ms, sustained_s)
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     dout = torch.randn_like(q)
     if mode == "bwd":
         out = fn(q, k, v, causal)
-        return _time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), rep_ms)
-    return _time_ms(lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout), rep_ms)
+        return _time_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), rep_ms, sustained_s)
+    return _time_ms(lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout), rep_ms, sustained_s)
 
 
-def _time_ms(fn, rep_ms: float) -> float:
+def _time_ms(fn, rep_ms: float, sustained_s: float = 0.0) -> float:
+    if sustained_s:
+        return _sustained_ms(fn, sustained_s)
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
 
 
-def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int, where: str) -> dict:
-    """Median milliseconds per implementation over ``rounds`` rounds, each round timing every
-    implementation once in turn: clock and power drift during a run then reach every column
-    alike instead of favouring whichever ran first. None for one that failed."""
+def _sustained_ms(fn, seconds: float) -> float:
+    """Mean milliseconds per call over ``seconds`` of back-to-back calls after half a second of
+    warm-up: the GPU at its power limit and the clocks that holds, as in training, where
+    do_bench's short bursts may still run on clocks a cooler GPU allows."""
+    import time
+
+    for budget in (0.5, seconds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0, calls = time.perf_counter(), 0
+        start.record()
+        while time.perf_counter() - t0 < budget:
+            for _ in range(5):
+                fn()
+            calls += 5
+            if calls % 50 == 0:  # keep the queue short so that the wall clock tracks the GPU
+                torch.cuda.synchronize()
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int, where: str,
+                      sustained_s: float = 0.0) -> dict:
+    """Milliseconds per implementation in each of ``rounds`` rounds, each round timing every
+    implementation once, in an order shuffled anew each round: clock and power drift during a run
+    then reach every column alike instead of favouring whichever ran first (the caller takes the
+    median).
+    None for one that failed."""
     times = {name: [] for name in impls}
-    for _ in range(rounds):
-        for name, fn in impls.items():
+    for r in range(rounds):
+        # A new order every round (seeded: the same in every run), so that no implementation always
+        # follows the same one: the one right after a power-hungry kernel starts on lowered clocks
+        # (up to 10% after cuBLAS's GEMM, measured), and a fixed or rotated order, which keeps
+        # each one's predecessor, would charge that to one column.
+        names = list(impls)
+        if r:
+            random.Random(r).shuffle(names)
+        for name in names:
+            fn = impls[name]
             if times[name] is None:
                 continue
             try:
-                times[name].append(_timed(fn, q, k, v, causal, mode, rep_ms=max(100 / rounds, 20)))
+                times[name].append(_timed(fn, q, k, v, causal, mode, max(100 / rounds, 20), sustained_s))
             except Exception as e:  # noqa: BLE001
                 print(f"# {name} {mode} failed at {where}: {type(e).__name__}: {e}", file=sys.stderr)
                 times[name] = None
-    return {name: (statistics.median(t) if t else None) for name, t in times.items()}
+    return times
 
 
 def main(argv=None):
@@ -156,8 +211,13 @@ def main(argv=None):
     p.add_argument("--sweep", nargs="*", default=[], help="cute_attn with other forward traits too: SM80 m128n64w4s2, SM90 m128n128s2 (o0: no intra-warpgroup overlap, p0: no ping-pong)")
     p.add_argument("--bwd-sweep", nargs="*", default=[], help="extra cute_attn SM80 backward traits, e.g. m64n128w8a2b4c2")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also time a bf16 8192^3 matmul in every round (the tensor-core ceiling)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="time every implementation once per round, in turn, and report the median")
+                   help="time every implementation once per round (shuffled order) and report the median")
+    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                   help="time each implementation as SECONDS of back-to-back calls (after 0.5 s of warm-up) "
+                        "instead of do_bench's short bursts: throughput at the GPU's power limit")
     p.add_argument("--out", default="bench_results", help="directory for JSON and PNG")
     args = p.parse_args(argv)
 
@@ -165,9 +225,14 @@ def main(argv=None):
     ours = _cute_attn_runners(args.sweep)
     ours_bwd = _cute_attn_backward_runners(args.bwd_sweep)
     peers = {} if args.no_peers else _peers()
+    extra = {}
+    if args.ceiling:
+        extra[CEILING] = _ceiling_runner()
+        extra[CEILING].is_ceiling = True
     rows = []
     for mode in args.modes:
         impls = {**ours, **peers} if mode == "fwd" else {"cute_attn": ours["cute_attn"], **ours_bwd, **peers}
+        impls.update(extra)
         for d in args.head_dims:
             for causal in args.causal:
                 for s in args.seqlens:
@@ -177,15 +242,16 @@ def main(argv=None):
                     flops *= {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
                     row = {"mode": mode, "head_dim": d, "causal": causal, "seqlen": s, "batch": batch, "heads": heads}
                     times = _time_interleaved(impls, q, k, v, bool(causal), mode, args.rounds,
-                                              f"d={d} causal={causal} S={s}")
-                    for name, ms in times.items():
-                        row[name] = None if ms is None else flops / ms / 1e9
+                                              f"d={d} causal={causal} S={s}", args.sustained)
+                    for name, t in times.items():
+                        row[name] = None if not t else (CEILING_FLOPS if name == CEILING else flops) / statistics.median(t) / 1e9
+                    row["round_ms"] = times  # every round's milliseconds, for the spread
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
-    _report(rows, list(ours) + list(ours_bwd), list(peers), args)
+    _report(rows, list(ours) + list(ours_bwd), list(peers), list(extra), args)
 
 
-def _report(rows, ours, peers, args):
+def _report(rows, ours, peers, extra, args):
     gpu = torch.cuda.get_device_name()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     try:
@@ -201,17 +267,19 @@ def _report(rows, ours, peers, args):
 
     for mode in args.modes:
         sel = [r for r in rows if r["mode"] == mode]
-        cols = [c for c in ours + peers if any(c in r for r in sel)]
+        cols = [c for c in ours + peers + extra if any(c in r for r in sel)]
         title = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}[mode]
         print(f"\n{gpu}, {stamp}, torch {torch.__version__}, nvidia-cutlass-dsl {dsl}, {args.dtype}, "
               f"{args.tokens} tokens, {title} TFLOP/s\n")
-        print("| d | causal | S | " + " | ".join(cols) + " | cute_attn / FA2 | cute_attn / best peer |")
-        print("|---|---|---|" + "---|" * (len(cols) + 2))
+        tail = " | cute_attn / ceiling |" if extra else " |"
+        print("| d | causal | S | " + " | ".join(cols) + " | cute_attn / FA2 | cute_attn / best peer" + tail)
+        print("|---|---|---|" + "---|" * (len(cols) + 2 + bool(extra)))
         for r in sel:
             best = max((r[p] for p in peers if r.get(p)), default=None)
             cells = [f"{r[c]:.0f}" if r.get(c) else "-" for c in cols]
+            ceiling = f" {ratio(r, r.get(CEILING))} |" if extra else ""
             print(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(cells)
-                  + f" | {ratio(r, r.get(fa2))} | {ratio(r, best)} |")
+                  + f" | {ratio(r, r.get(fa2))} | {ratio(r, best)} |" + ceiling)
     os.makedirs(args.out, exist_ok=True)
     meta = {"gpu": gpu, "date": stamp, "torch": torch.__version__, "cutlass_dsl": dsl, "dtype": args.dtype}
     with open(os.path.join(args.out, "bench.json"), "w") as f:
@@ -219,7 +287,7 @@ def _report(rows, ours, peers, args):
     try:
         for mode in args.modes:
             sel = [r for r in rows if r["mode"] == mode]
-            _plot(sel, [c for c in ours + peers if any(c in r for r in sel)],
+            _plot(sel, [c for c in ours + peers + extra if any(c in r for r in sel)],
                   os.path.join(args.out, f"bench_{mode}.png"), f"{gpu} {mode}, {args.dtype}")
     except Exception as e:  # noqa: BLE001
         print(f"# plot skipped: {e}", file=sys.stderr)
