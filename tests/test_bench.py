@@ -9,7 +9,7 @@ _PATH = os.path.join(os.path.dirname(__file__), "..", "tools", "bench.py")
 
 
 @pytest.fixture
-def bench(monkeypatch):
+def bench():
     spec = importlib.util.spec_from_file_location("bench", _PATH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
