@@ -130,7 +130,7 @@ class Sm90ForwardTraits:
 #   to 224 KB; with one, level from 4096 but -4% at 1024). So d32/d64 non-causal only.
 # - larger K/V blocks lost everywhere: d64 m128n192 -19%, m128n160 -20%, m192n96 -8%; d128 m128n176
 #   -6% to -23%, m128n160 -3% to -12% (S 1024-16384, 09:03 UTC run); d128 m128n192 spills.
-# - re-checked in sustained runs (tools/bench.py --sustained, 1% resolution; 12:24-12:45 UTC): every
+# - re-checked in sustained runs (tools/bench.py --sustained, 1% resolution; 12:37-12:56 UTC): every
 #   choice above is the best timed or within 1.5% of it at S 1024-16384.
 _m192 = dict(tile_m=192, tile_n=128, num_stages=2)
 _m128 = dict(tile_m=128, tile_n=128, num_stages=2)
