@@ -63,8 +63,8 @@ def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capac
                 traits=None, kernel: str = "sm80", seqlen: int = 0) -> ForwardKey:
     """The forward variant for these parameters. ``kernel="sm90"`` (only for target sm_90a) falls
     back to the SM80 kernel where the SM90 table has no entry that fits ``smem_capacity``; explicit
-    ``traits`` pick the family they belong to. ``seqlen``: max(seqlen_q, seqlen_k), which picks
-    the SM90 table's tier (it runs other tiles and grids on short and long sequences)."""
+    ``traits`` pick the family they belong to. ``seqlen`` (traits.sm90_tier_seqlen) picks the SM90
+    table's tier (it runs other tiles and grids on short and long sequences)."""
     # every sequence length of a tier maps to one cached key
     tier = sm90_seqlen_tier(head_dim, causal, seqlen) if kernel == "sm90" and traits is None else 0
     return _forward_key(target, dtype, head_dim, causal, smem_capacity, traits, kernel, tier)
@@ -79,6 +79,9 @@ def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capa
         if smem_capacity and traits.smem_bytes() > smem_capacity:
             raise ValueError(f"traits {traits.spec} need {traits.smem_bytes()} bytes of shared memory, "
                              f"the GPU has {smem_capacity}")
+        if causal and getattr(traits, "kv_multicast", False):
+            raise ValueError(f"traits {traits.spec}: K/V multicast needs the same K/V blocks for both Q "
+                             f"blocks of a cluster, so causal attention cannot use it")
     elif kernel == "sm90" and target == "sm_90a" and sm90_forward_traits(head_dim, causal, smem_capacity, seqlen):
         candidates = sm90_forward_traits(head_dim, causal, smem_capacity, seqlen)
     else:
@@ -305,7 +308,7 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
         kernel = FlashAttentionForwardSm90(
             dtype, key.head_dim, t.tile_m, t.tile_n, t.num_stages, key.causal, key.check_hdim,
             intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong, persistent=t.persistent,
-            overlap_tiles=t.overlap_tiles,
+            overlap_tiles=t.overlap_tiles, kv_multicast=t.kv_multicast,
         )
         ptxas = ""
     else:

@@ -12,7 +12,7 @@ import torch
 
 from cute_attn import compile as compile_mod
 from cute_attn import dispatch
-from cute_attn.traits import MAX_HEAD_DIM
+from cute_attn.traits import MAX_HEAD_DIM, sm90_tier_seqlen
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _ALIGN_BYTES = 16
@@ -133,7 +133,7 @@ def _launch_forward(q, k, v, out, lse, causal: bool, scale: float, traits=None) 
     plan = dispatch.plan_for_device(q.device)
     key = compile_mod.forward_key(
         plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], causal, plan.smem_capacity, traits=traits,
-        kernel=plan.kernel, seqlen=max(q.shape[1], k.shape[1]),
+        kernel=plan.kernel, seqlen=sm90_tier_seqlen(q.shape[1], k.shape[1], causal),
     )
     kernel = compile_mod.forward_cache.get(key)
     with torch.cuda.device(q.device):

@@ -94,14 +94,18 @@ class Sm90ForwardTraits:
     # persistent, with the intra-warpgroup overlap: the next tile's first Q K^T runs under this
     # tile's epilogue (Q gets a second shared buffer)
     overlap_tiles: bool = False
+    # non-causal only: CTAs in clusters of two take adjacent Q blocks of one head, and each loads
+    # half of every K/V block into both CTAs' shared memory (TMA multicast): half the L2 reads
+    kv_multicast: bool = False
 
     @property
     def spec(self) -> str:
         """'m128n128s2' (+ 'o0' without intra-warpgroup overlap, 'p0' without ping-pong, 'ps'
-        persistent, 'ot' overlapping tiles)."""
+        persistent, 'ot' overlapping tiles, 'mc' K/V multicast in clusters of two)."""
         return (f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
                 f"{'' if self.intra_wg_overlap else 'o0'}{'' if self.pingpong else 'p0'}"
-                f"{'ps' if self.persistent else ''}{'ot' if self.overlap_tiles else ''}")
+                f"{'ps' if self.persistent else ''}{'ot' if self.overlap_tiles else ''}"
+                f"{'mc' if self.kv_multicast else ''}")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         # persistent: O has a buffer of its own; overlapping tiles: Q has two
@@ -130,6 +134,9 @@ class Sm90ForwardTraits:
 #   to 224 KB; with one, level from 4096 but -4% at 1024). So d32/d64 non-causal only.
 # - larger K/V blocks lost everywhere: d64 m128n192 -19%, m128n160 -20%, m192n96 -8%; d128 m128n176
 #   -6% to -23%, m128n160 -3% to -12% (S 1024-16384, 09:03 UTC run); d128 m128n192 spills.
+# - K/V multicast in clusters of two ('mc', non-causal): halves the L2 sectors read (ncu, d128
+#   S 8192: 247 M -> 138 M, FA4 130 M); d128 +1.5-2% sustained from S 2048 (13:11-13:15 UTC, two
+#   runs), -1% at 1024; d64 (192-row tiles) -2% to -9%. So d128 non-causal from S 2048.
 # - re-checked in sustained runs (tools/bench.py --sustained, 1% resolution; 12:37-12:56 UTC): every
 #   choice above is the best timed or within 1.5% of it at S 1024-16384.
 _m192 = dict(tile_m=192, tile_n=128, num_stages=2)
@@ -150,7 +157,8 @@ SM90_FORWARD = {
         True: ((1024, _T(96, **_m128, persistent=True)), (None, _T(96, **_m128))),
     },
     128: {
-        False: ((None, _T(128, **_m128, pingpong=False, persistent=True)),),
+        False: ((1024, _T(128, **_m128, pingpong=False, persistent=True)),
+                (None, _T(128, **_m128, pingpong=False, persistent=True, kv_multicast=True))),
         True: ((8192, _T(128, **_m128, pingpong=False, persistent=True)), (None, _T(128, **_m128, pingpong=False))),
     },
     # d192/d256: Q, K and V fill shared memory; O reuses Q's buffer, so no persistent grid
@@ -185,15 +193,15 @@ def parse_traits(spec: str, head_dim: int):
     import re
 
     d = padded_head_dim(head_dim)
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(o0)?(p0)?(ps)?(ot)?", spec)
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(o0)?(p0)?(ps)?(ot)?(mc)?", spec)
     if m:
-        tile_m, tile_n, stages, no_overlap, no_pingpong, persistent, overlap_tiles = m.groups()
+        tile_m, tile_n, stages, no_overlap, no_pingpong, persistent, overlap_tiles, multicast = m.groups()
         return Sm90ForwardTraits(d, int(tile_m), int(tile_n), int(stages), not no_overlap, not no_pingpong,
-                                 bool(persistent), bool(overlap_tiles))
+                                 bool(persistent), bool(overlap_tiles), bool(multicast))
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(?:c(\d+))?(?:r(\d+))?", spec)
     if not m:
         raise ValueError(f"traits spec must look like m128n64w4s2 (SM80, optionally c2/r3) or m128n128s2 "
-                         f"(SM90, optionally o0/p0/ps/ot), got {spec!r}")
+                         f"(SM90, optionally o0/p0/ps/ot/mc), got {spec!r}")
     tile_m, tile_n, warps, stages, chunks, level = m.groups()
     return ForwardTraits(d, int(tile_m), int(tile_n), int(warps), int(stages),
                          int(level) if level is not None else None, int(chunks) if chunks is not None else 1)
@@ -219,6 +227,14 @@ def sm90_forward_traits(head_dim: int, causal: bool = False, smem_capacity: int 
     ``smem_capacity`` (empty: use SM80)."""
     chosen = next((t for longest, t in _sm90_tiers(head_dim, causal) if longest is None or seqlen <= longest), None)
     return tuple(t for t in (chosen,) if t is not None and (not smem_capacity or t.smem_bytes() <= smem_capacity))
+
+
+def sm90_tier_seqlen(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """The length that picks an SM90 tier. Causal: max(seqlen_q, seqlen_k), which sets how long
+    the longest tiles are. Non-causal, whose only split is K/V multicast for d128: min(seqlen_q,
+    seqlen_k), since it pays only with long tiles (seqlen_k) and many Q blocks (seqlen_q: a short
+    query would leave a cluster's second CTA past its end)."""
+    return max(seqlen_q, seqlen_k) if causal else min(seqlen_q, seqlen_k)
 
 
 def sm90_seqlen_tiers(head_dim: int, causal: bool) -> tuple[int, ...]:

@@ -23,10 +23,12 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
 
-def check_close(name: str, got: torch.Tensor, ref: torch.Tensor, baseline: torch.Tensor, atol: float, case: str):
-    """got must be within 2x the error of a same-dtype PyTorch computation (``baseline``) + atol."""
+def check_close(name: str, got: torch.Tensor, ref: torch.Tensor, baseline, atol: float, case: str):
+    """got must be within 2x the error of a same-dtype PyTorch computation (``baseline``) + atol.
+    ``baseline`` may be a tuple of such computations: the largest of their errors counts."""
     assert not torch.isnan(got).any(), f"{name}: NaN in output ({case})"
-    err, base = max_err(got, ref), max_err(baseline, ref)
+    baselines = baseline if isinstance(baseline, (tuple, list)) else (baseline,)
+    err, base = max_err(got, ref), max(max_err(b, ref) for b in baselines)
     assert err <= 2 * base + atol, f"{name}: max error {err:.3g} > 2 x {base:.3g} + {atol} ({case})"
 
 

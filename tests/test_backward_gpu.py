@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cute_attn
-from cute_attn.reference import attention_reference
+from cute_attn.reference import attention_backward_reference, attention_reference
 from helpers import check_close, poisoned_like, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -21,6 +21,16 @@ def reference_grads(q, k, v, dout, causal, compute_dtype):
     return q.grad, k.grad, v.grad
 
 
+def baseline_grads(q, k, v, dout, causal):
+    """What the error is measured against, per gradient: same-dtype PyTorch autograd, and the
+    exact gradients of FlashAttention's formulation, which reads O rounded to the input dtype
+    (reference.attention_backward_reference: in rows with few keys that rounding alone can cost
+    more than the same-dtype autograd's error)."""
+    same = reference_grads(q, k, v, dout, causal, q.dtype)
+    flash = attention_backward_reference(q.detach(), k.detach(), v.detach(), dout, causal)
+    return tuple(zip(same, flash))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -34,7 +44,7 @@ def test_backward_matches_reference(head_dim, dtype, causal):
             dq, dk, dv = poisoned_like(q), poisoned_like(k), poisoned_like(v)
             cute_attn.backward(dout, q, k, v, out, lse, causal=causal, dq=dq, dk=dk, dv=dv)
             ref = reference_grads(q, k, v, dout, causal, torch.float32)
-            same = reference_grads(q, k, v, dout, causal, dtype)
+            same = baseline_grads(q, k, v, dout, causal)
             for name, got, r, s in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, same):
                 check_close(name, got, r, s, 1e-4, case)
 
@@ -50,7 +60,7 @@ def test_deterministic_backward_is_bitwise_repeatable(causal):
         for a, b in zip(first, again):
             assert torch.equal(a, b)
     ref = reference_grads(q, k, v, dout, causal, torch.float32)
-    same = reference_grads(q, k, v, dout, causal, torch.bfloat16)
+    same = baseline_grads(q, k, v, dout, causal)
     for name, got, r, s in zip(("dq", "dk", "dv"), first, ref, same):
         check_close(name, got, r, s, 1e-4, "deterministic")
 
@@ -62,7 +72,7 @@ def test_flash_attn_func_autograd():
     out.sum().backward()  # a zero-stride output gradient
     assert k.grad is None and q.grad is not None and v.grad is not None
     dq, _, dv = reference_grads(q, k, v, torch.ones_like(out), True, torch.float32)
-    sq, _, sv = reference_grads(q, k, v, torch.ones_like(out), True, torch.bfloat16)
+    sq, _, sv = baseline_grads(q, k, v, torch.ones_like(out), True)
     check_close("dq", q.grad, dq, sq, 1e-4, "autograd")
     check_close("dv", v.grad, dv, sv, 1e-4, "autograd")
 

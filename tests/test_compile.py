@@ -23,6 +23,7 @@ from cute_attn.traits import (
     fit_to_smem,
     padded_head_dim,
     parse_traits,
+    sm90_tier_seqlen,
 )
 
 SUBSET = [  # (head_dim, dtype, causal): smallest/largest tiles, a padded head dim, both dtypes
@@ -46,7 +47,7 @@ def _keys(all_variants):
         return forward_variants(TARGETS, HEAD_DIMS + (40, 120, 200))
     return [forward_key(t, dt, d, c) for t in TARGETS for d, dt, c in SUBSET] + [
         forward_key("sm_90a", dt, d, c, kernel="sm90") for d, dt, c in SM90_SUBSET
-    ]
+    ] + [forward_key("sm_90a", "bf16", 128, False, kernel="sm90", seqlen=8192)]  # K/V multicast
 
 
 BWD_SUBSET = [  # (head_dim, dtype, causal, deterministic)
@@ -92,6 +93,9 @@ def test_forward_variant_compiles_to_expected_instructions(fwd_key):
         assert counts["mbarrier"] > 0, "no mbarrier pipeline"
         assert counts["setmaxnreg"] == 2, "producer and consumers should each set their register count"
         assert counts["mma.sync"] == 0 and counts["cp.async"] == 0
+        if fn.traits.kv_multicast:  # K/V reach both CTAs of a cluster through TMA multicast
+            assert "multicast::cluster" in ptx and "barrier.cluster.wait" in ptx
+            assert "mbarrier.arrive.shared::cluster" in ptx, "consumers release the other CTA's stages"
         # the register split leaves no room for spills anywhere in the SM90 table
         assert res["stack_frame"] == 0, f"{fwd_key.name}: {res['stack_frame']} bytes of local memory (spills)"
         return
@@ -121,6 +125,8 @@ def test_sm90_falls_back_to_sm80_where_it_cannot_run():
         forward_key("sm_86", "bf16", 128, False, traits=sm90)
     with pytest.raises(ValueError, match="shared memory"):  # 3 stages + O's buffer: 264 KB
         forward_key("sm_90a", "bf16", 128, False, 227 * 1024, traits=parse_traits("m128n128s3p0ps", 128))
+    with pytest.raises(ValueError, match="multicast"):  # causal Q blocks of a cluster see different keys
+        forward_key("sm_90a", "bf16", 128, True, traits=parse_traits("m128n128s2p0psmc", 128))
 
 
 def test_sm90_traits_fit_hopper_shared_memory():
@@ -138,6 +144,10 @@ def test_sm90_seqlen_tiers_pick_their_traits():
     assert not forward_key("sm_90a", "bf16", 128, True, kernel="sm90", seqlen=8193).candidates[0].persistent
     assert forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=1000).candidates[0].tile_m == 128
     assert forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=2048).candidates[0].tile_m == 192
+    # d128 non-causal: K/V multicast once both the query and the keys are longer than 1024
+    assert not forward_key("sm_90a", "bf16", 128, False, kernel="sm90", seqlen=1024).candidates[0].kv_multicast
+    assert forward_key("sm_90a", "bf16", 128, False, kernel="sm90", seqlen=2048).candidates[0].kv_multicast
+    assert sm90_tier_seqlen(128, 16384, False) == 128 and sm90_tier_seqlen(128, 16384, True) == 16384
     sm90 = [k for k in forward_variants(["sm_90a"], [64], ["bf16"], [True], kernels=["sm90"])]
     assert len(sm90) == len(SM90_FORWARD[64][True])  # every tier listed once
     # lengths of one tier share one key (the key cache does not grow with every new length)

@@ -121,6 +121,9 @@ def test_forward_row_max_growing_block_by_block(causal):
 SM90_OTHER_SPECS = [
     (128, "m128n128s2o0p0"), (64, "m192n128s2o0ps"), (128, "m128n176s2p0"), (64, "m128n192s2ps"),
     (128, "m128n128s2psot"), (96, "m128n128s2p0psot"),
+    # K/V multicast in clusters of two (non-causal only): odd Q block counts leave a cluster's
+    # second CTA past seqlen_q
+    (128, "m128n128s2p0psmc"), (128, "m128n128s2p0mc"), (64, "m192n128s2psotmc"), (64, "m192n128s2mc"),
 ]
 
 
@@ -134,13 +137,20 @@ def test_forward_sm90_other_traits(arch, head_dim, spec, causal):
 
     if arch != "sm90":
         pytest.skip("SM90 traits")
+    traits = parse_traits(spec, head_dim)
+    if causal and traits.kv_multicast:
+        q, k, v = random_qkv(1, 128, 128, 4, 2, head_dim, torch.bfloat16)
+        with pytest.raises(ValueError, match="multicast"):
+            _launch_forward(q, k, v, torch.empty_like(q), None, causal, 1.0, traits=traits)
+        return
     # the last case has more tiles than SMs: a persistent grid's CTAs walk several each
     for batch, seqlen_q, seqlen_k, dtype in [(2, 1000, 1000, torch.bfloat16), (2, 300, 2048, torch.float16),
-                                             (2, 2048, 127, torch.bfloat16), (8, 700, 1500, torch.float16)]:
+                                             (2, 2048, 127, torch.bfloat16), (8, 700, 1500, torch.float16),
+                                             (3, 1, 17, torch.bfloat16)]:
         case = f"{spec} causal={causal} b={batch} sq={seqlen_q} sk={seqlen_k} {dtype}"
         q, k, v = random_qkv(batch, seqlen_q, seqlen_k, 4, 2, head_dim, dtype)
         out, lse = poisoned_like(q), poisoned_like(q, (batch, 4, seqlen_q), torch.float32)
-        _launch_forward(q, k, v, out, lse, causal, 1 / math.sqrt(head_dim), traits=parse_traits(spec, head_dim))
+        _launch_forward(q, k, v, out, lse, causal, 1 / math.sqrt(head_dim), traits=traits)
         ref, same, ref_lse = reference_pair(q, k, v, causal)
         check_close("out", out, ref, same, 1e-5, case)
         check_lse(lse, ref_lse, case)

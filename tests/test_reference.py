@@ -90,3 +90,26 @@ def test_backward_block_ranges(causal, seqlen_q, seqlen_k):
                 assert not any_visible, (n, m)
             if m >= m_mask_end:
                 assert all(visible(i, j, seqlen_q, seqlen_k, causal) for i in rows for j in cols), (n, m)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads,heads_kv", [(5, 5, 2, 2), (7, 3, 4, 2), (3, 9, 3, 1)])
+def test_backward_reference_matches_autograd(causal, seqlen_q, seqlen_k, heads, heads_kv):
+    """Unrounded, the written-out backward is autograd of the reference; rounded (bf16), it moves
+    the gradients but not dV (D does not enter it)."""
+    from cute_attn.reference import attention_backward_reference
+
+    torch.manual_seed(seqlen_q * 10 + seqlen_k)
+    q, k, v = (torch.randn(2, s, h, 16, dtype=torch.float64, requires_grad=True)
+               for s, h in ((seqlen_q, heads), (seqlen_k, heads_kv), (seqlen_k, heads_kv)))
+    dout = torch.randn(2, seqlen_q, heads, 16, dtype=torch.float64)
+    out, _ = attention_reference(q, k, v, causal, 0.37, compute_dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    exact = attention_backward_reference(q.detach(), k.detach(), v.detach(), dout, causal, 0.37)
+    for got, want in zip(exact, grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    q16, k16, v16 = (t.detach().bfloat16() for t in (q, k, v))
+    rounded = attention_backward_reference(q16, k16, v16, dout, causal, 0.37)
+    unrounded = attention_backward_reference(q16, k16, v16, dout, causal, 0.37, round_out=False)
+    torch.testing.assert_close(rounded[2], unrounded[2], atol=0, rtol=0)
+    assert not torch.equal(rounded[0], unrounded[0])

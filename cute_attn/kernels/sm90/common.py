@@ -65,10 +65,11 @@ def wgmma(
         warpgroup.wait_group(wait)
 
 
-def tma_tiles(atom: cute.CopyAtom, gmem: cute.Tensor, smem: cute.Tensor):
+def tma_tiles(atom: cute.CopyAtom, gmem: cute.Tensor, smem: cute.Tensor, cta_rank=0, cluster_size: int = 1):
     """Partition a (rows, cols, ...) global tile view and a (rows, cols, ...) shared buffer for
-    ``atom``: returns (shared, global) with the tile as mode 0 and the rest (block, stage) after."""
+    ``atom``: returns (shared, global) with the tile as mode 0 and the rest (block, stage) after.
+    A multicast atom of ``cluster_size`` CTAs: the slice that CTA ``cta_rank`` loads."""
     s, g = cpasync.tma_partition(
-        atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2)
+        atom, cta_rank, cute.make_layout(cluster_size), cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2)
     )
     return s, g

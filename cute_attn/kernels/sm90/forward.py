@@ -4,7 +4,9 @@ Tiles of ``tile_m = 64 * consumer warpgroups`` Q rows, numbered Q block fastest,
 batch (causal: longest first, kernels/tile_scheduler.py). One CTA per tile, or with ``persistent``
 one CTA per SM walking the tiles (``_nth_tile``): the next tile's loads overlap this tile, and
 with ``overlap_tiles`` (two Q buffers) its first S = Q K^T runs under this tile's epilogue
-(``_tile_boundary``).
+(``_tile_boundary``). With ``kv_multicast`` (non-causal), CTAs run in clusters of two on adjacent
+Q blocks of one head: each CTA's TMA loads half of every K/V block into the shared memory of both,
+which halves the K/V reads from L2.
 
 Warp specialisation (``kernel``):
 - warpgroup 0, the producer: its first warp issues every TMA load (Q once, then K and V block by
@@ -71,6 +73,7 @@ class FlashAttentionForwardSm90:
         pingpong: bool = True,
         persistent: bool = False,
         overlap_tiles: bool = False,
+        kv_multicast: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in REGISTER_SPLIT, "tile_m: 64, 128 or 192"
         assert tile_n % 16 == 0 and head_dim % 16 == 0 and tile_n <= 256
@@ -96,6 +99,10 @@ class FlashAttentionForwardSm90:
         # shared memory by then: two Q buffers
         self.overlap_tiles = overlap_tiles and persistent and intra_wg_overlap
         self.q_stages = 2 if self.overlap_tiles else 1
+        # kv_multicast: both CTAs of a cluster must walk the same K/V blocks, which causal Q blocks
+        # do not (each sees a different number of keys)
+        assert not (kv_multicast and causal), "K/V multicast is for non-causal attention"
+        self.cluster_size = 2 if kv_multicast else 1
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -123,8 +130,10 @@ class FlashAttentionForwardSm90:
 
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_stage, (m, d))
-        atom_K, tma_K = cpasync.make_tiled_tma_atom(load, mK, sKV_stage, (n, d))
-        atom_V, tma_V = cpasync.make_tiled_tma_atom(load, mV, sKV_stage, (n, d))
+        # K/V: with multicast, each CTA of a cluster loads 1 / cluster_size of a block into all of them
+        load_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_size > 1) else load
+        atom_K, tma_K = cpasync.make_tiled_tma_atom(load_kv, mK, sKV_stage, (n, d), num_multicast=self.cluster_size)
+        atom_V, tma_V = cpasync.make_tiled_tma_atom(load_kv, mV, sKV_stage, (n, d), num_multicast=self.cluster_size)
         # O's buffer: (64, d, warpgroup) of its own when each warpgroup stores its own rows, else Q's
         if const_expr(self.persistent):
             sO_layout = common.smem_layout(self.dtype, 64, d, self.num_consumer_wgs)
@@ -149,9 +158,9 @@ class FlashAttentionForwardSm90:
         # Tiles are numbered (Q block fastest, then head, then batch): one head's Q blocks run
         # together and share its K/V in L2. Causal: longest first in sections of heads (tile_scheduler).
         num_tiles = self._num_tiles(mQ)
-        grid = num_tiles
+        grid = num_tiles  # a multiple of the cluster size (_num_m_blocks)
         if const_expr(self.persistent):
-            grid = cutlass.min(num_tiles, num_sms)
+            grid = cutlass.min(num_tiles, num_sms // self.cluster_size * self.cluster_size)
         qheads_per_kvhead = mQ.shape[2] // mK.shape[2]  # GQA/MQA: K/V are shared, never copied
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, heads_per_section, qheads_per_kvhead,
@@ -162,6 +171,7 @@ class FlashAttentionForwardSm90:
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            **({"cluster": [self.cluster_size, 1, 1]} if self.cluster_size > 1 else {}),
         )
 
     # ------------------------------------------------------------------ device side
@@ -204,13 +214,18 @@ class FlashAttentionForwardSm90:
         pipe_q = make_pipeline(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages, tx_count=stage_bytes * self.tile_m
         )
-        pipe_k = make_pipeline(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, tx_count=stage_bytes * self.tile_n
+        # K/V multicast: a stage is free once the consumer warps of every CTA it is loaded into
+        # have released it, so each consumer warp arrives on the empty barrier of each CTA
+        make_kv_pipeline = partial(
+            make_pipeline, num_stages=self.num_stages, tx_count=stage_bytes * self.tile_n,
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_consumer_threads // 32 * self.cluster_size
+            ),
+            cta_layout_vmnk=self._cluster_vmnk(), mcast_mode_mn=(1, 0),
         )
-        pipe_v = make_pipeline(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, tx_count=stage_bytes * self.tile_n
-        )
-        pipeline.pipeline_init_arrive()
+        pipe_k = make_kv_pipeline(barrier_storage=storage.mbar_k.data_ptr())
+        pipe_v = make_kv_pipeline(barrier_storage=storage.mbar_v.data_ptr())
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self._cluster_vmnk(), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -221,7 +236,7 @@ class FlashAttentionForwardSm90:
         else:
             sO = sQ[None, None, 0]
         tiles = partial(self._tile, mQ, mK, heads_per_section, qheads_per_kvhead)
-        pipeline.pipeline_init_wait()
+        pipeline.pipeline_init_wait(cluster_shape_mn=self._cluster_vmnk())
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -233,12 +248,22 @@ class FlashAttentionForwardSm90:
                 mO, mLSE, sQ, sK, sV, sO, atom_O, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2,
                 tiles, mQ.shape[0], mK.shape[0],
             )
+        if const_expr(self.cluster_size > 1):
+            # the other CTA's consumers arrive on this CTA's empty barriers until their last
+            # K/V block: no CTA of the cluster may exit before all are done
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+
+    def _cluster_vmnk(self):
+        """The cluster as the pipelines see it: ``cluster_size`` CTAs along N sharing (multicast
+        mode M) the K/V blocks."""
+        return cute.make_layout((1, 1, self.cluster_size, 1))
 
     @cute.jit
     def _tile(self, mQ: cute.Tensor, mK: cute.Tensor, heads_per_section: Int32, qheads_per_kvhead: Int32, tile: Int32):
         """(m_block, head, head_kv, batch, n_block_max) of tile number ``tile``."""
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        num_m_blocks, heads = cute.ceil_div(seqlen_q, self.tile_m), mQ.shape[2]
+        num_m_blocks, heads = self._num_m_blocks(seqlen_q), mQ.shape[2]
         if const_expr(self.causal):  # longest tiles first, in L2-sized sections of heads
             m_block, head, batch = tile_scheduler.tile_coords(tile, num_m_blocks, heads, mQ.shape[3], heads_per_section)
         else:
@@ -257,7 +282,16 @@ class FlashAttentionForwardSm90:
 
     def _num_tiles(self, mQ: cute.Tensor):
         """Q blocks x heads x batch of a (seqlen, head_dim, heads, batch) view."""
-        return cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
+        return self._num_m_blocks(mQ.shape[0]) * mQ.shape[2] * mQ.shape[3]
+
+    def _num_m_blocks(self, seqlen_q: Int32):
+        """Q blocks per head, rounded up to whole clusters: a cluster's CTAs share a head's K/V,
+        so with an odd count the last cluster of each head runs one Q block past seqlen_q (all
+        rows zero-filled by TMA on load and clipped on store, the LSE not written)."""
+        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        if const_expr(self.cluster_size > 1):
+            num_m_blocks = cute.ceil_div(num_m_blocks, self.cluster_size) * self.cluster_size
+        return num_m_blocks
 
     # ------------------------------------------------------------------ producer warp
     @cute.jit
@@ -282,13 +316,16 @@ class FlashAttentionForwardSm90:
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        cta_rank = cute.arch.block_idx_in_cluster() if const_expr(self.cluster_size > 1) else 0
         rounds = Int32(0)
         tile = self._nth_tile(rounds)
         while tile < self._num_tiles(mQ):
             m_block, head, head_kv, batch, n_block_max = tiles(tile)
             tQsQ, tQgQ = common.tma_tiles(atom_Q, cute.local_tile(mQ[None, None, head, batch], tile_q, (m_block, 0)), sQ)
-            tKsK, tKgK = common.tma_tiles(atom_K, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK)
-            tVsV, tVgV = common.tma_tiles(atom_V, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV)
+            tKsK, tKgK = common.tma_tiles(atom_K, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK,
+                                          cta_rank, self.cluster_size)
+            tVsV, tVgV = common.tma_tiles(atom_V, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV,
+                                          cta_rank, self.cluster_size)
             load_K = partial(self._tma_load, pipe_k, atom_K, tKgK, tKsK)
             load_V = partial(self._tma_load, pipe_v, atom_V, tVgV, tVsV)
 
@@ -318,7 +355,9 @@ class FlashAttentionForwardSm90:
     def _tma_load(self, pipe, atom, src: cute.Tensor, dst: cute.Tensor, n_block: Int32, state):
         """Wait until ``state``'s stage is free, arm its barrier with the bytes to expect, load block n_block."""
         pipe.producer_acquire(state)
-        cute.copy(atom, src[None, n_block], dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+        multicast = {"mcast_mask": cutlass.Int16((1 << self.cluster_size) - 1)} if const_expr(self.cluster_size > 1) else {}
+        cute.copy(atom, src[None, n_block], dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state),
+                  **multicast)
 
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
