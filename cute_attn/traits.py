@@ -131,12 +131,16 @@ class Sm90ForwardTraits:
 #   same-process A/B against the kernel without it (10:47-11:09 UTC): d64 non-causal +10-13% at
 #   S 512, +5% at 1024, +1-4% from 2048 (with one Q buffer it lost: the next Q arrives too late);
 #   d64 causal level (-2%..+1%); d128 -3..-5% from S 2048 (a second Q buffer takes shared memory
-#   to 224 KB; with one, level from 4096 but -4% at 1024). So d32/d64 non-causal only.
+#   to 224 KB; with one, level from 4096 but -4% at 1024). So d32/d64 non-causal, and d128
+#   non-causal up to S 1024 (below).
 # - larger K/V blocks lost everywhere: d64 m128n192 -19%, m128n160 -20%, m192n96 -8%; d128 m128n176
 #   -6% to -23%, m128n160 -3% to -12% (S 1024-16384, 09:03 UTC run); d128 m128n192 spills.
 # - K/V multicast in clusters of two ('mc', non-causal): halves the L2 sectors read (ncu, d128
 #   S 8192: 247 M -> 138 M, FA4 130 M); d128 +1.5-2% sustained from S 2048 (13:11-13:15 UTC, two
 #   runs), -1% at 1024; d64 (192-row tiles) -2% to -9%. So d128 non-causal from S 2048.
+#   Below that d128 non-causal takes overlapping tiles after all (13:54-13:56 UTC, two burst runs
+#   of 7 and 9 rounds and one sustained): S 512 +3.3% / +3.9% burst, +2.7% sustained; S 1024
+#   +1.5% / +2.4% burst, level sustained; level at 2048.
 # - re-checked in sustained runs (tools/bench.py --sustained, 1% resolution; 12:37-12:56 UTC): every
 #   choice above is the best timed or within 1.5% of it at S 1024-16384.
 _m192 = dict(tile_m=192, tile_n=128, num_stages=2)
@@ -157,7 +161,7 @@ SM90_FORWARD = {
         True: ((1024, _T(96, **_m128, persistent=True)), (None, _T(96, **_m128))),
     },
     128: {
-        False: ((1024, _T(128, **_m128, pingpong=False, persistent=True)),
+        False: ((1024, _T(128, **_m128, pingpong=False, persistent=True, overlap_tiles=True)),
                 (None, _T(128, **_m128, pingpong=False, persistent=True, kv_multicast=True))),
         True: ((8192, _T(128, **_m128, pingpong=False, persistent=True)), (None, _T(128, **_m128, pingpong=False))),
     },
@@ -189,7 +193,7 @@ def fit_to_smem(traits: ForwardTraits, smem_capacity: int) -> ForwardTraits:
 
 def parse_traits(spec: str, head_dim: int):
     """A traits spec for tools and sweeps -> traits. SM80: 'm128n64w4s2' (optionally followed by
-    'c2' and/or 'r3'); SM90: 'm128n128s2' (optionally 'o0', 'p0', 'ps', 'ot')."""
+    'c2' and/or 'r3'); SM90: 'm128n128s2' (optionally 'o0', 'p0', 'ps', 'ot', 'mc')."""
     import re
 
     d = padded_head_dim(head_dim)

@@ -250,8 +250,9 @@ class FlashAttentionForwardSm90:
             )
         if const_expr(self.cluster_size > 1):
             # the other CTA's consumers arrive on this CTA's empty barriers until their last
-            # K/V block: no CTA of the cluster may exit before all are done
-            cute.arch.cluster_arrive_relaxed()
+            # K/V block: no CTA of the cluster may exit before all are done (a releasing arrive,
+            # so this CTA's remote arrives are complete before the other CTA leaves the wait)
+            cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
     def _cluster_vmnk(self):
