@@ -25,10 +25,12 @@ from typing import Any, Callable, Iterable
 from cute_attn.traits import (
     BackwardTraits,
     ForwardTraits,
+    Sm90BackwardTraits,
     Sm90ForwardTraits,
     padded_head_dim,
     sm80_backward_traits,
     sm80_forward_traits,
+    sm90_backward_traits,
     sm90_forward_traits,
     sm90_seqlen_tier,
     sm90_seqlen_tiers,
@@ -95,7 +97,7 @@ def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capa
 class BackwardKey:
     """The main backward kernel. Its pre/postprocess kernels have ``RowKernelKey``s."""
 
-    kernel: str
+    kernel: str  # kernel family: "sm80" | "sm90"
     target: str
     dtype: str
     head_dim: int
@@ -104,10 +106,10 @@ class BackwardKey:
     deterministic: bool
     # candidate traits in order of preference (see build_backward); the postprocess follows the
     # one taken (backward_post_key)
-    candidates: tuple[BackwardTraits, ...]
+    candidates: tuple[BackwardTraits | Sm90BackwardTraits, ...]
 
     @property
-    def traits(self) -> BackwardTraits:
+    def traits(self) -> BackwardTraits | Sm90BackwardTraits:
         return self.candidates[0]
 
     @property
@@ -130,7 +132,7 @@ class RowKernelKey:
     dtype: str
     head_dim: int
     check_hdim: bool
-    traits: BackwardTraits | None = None
+    traits: BackwardTraits | Sm90BackwardTraits | None = None
 
     @property
     def name(self) -> str:
@@ -140,12 +142,22 @@ class RowKernelKey:
 
 @functools.lru_cache(maxsize=None)
 def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, deterministic: bool,
-                  traits: BackwardTraits | None = None):
-    """(preprocess, main) keys of one backward variant; see ``backward_post_key``."""
+                  traits: BackwardTraits | Sm90BackwardTraits | None = None, kernel: str = "sm80",
+                  smem_capacity: int | None = None):
+    """(preprocess, main) keys of one backward variant; see ``backward_post_key``. ``kernel="sm90"``
+    (only for target sm_90a) falls back to the SM80 backward where the SM90 table has no entry
+    that fits ``smem_capacity``; explicit ``traits`` pick the family they belong to."""
     padded = padded_head_dim(head_dim)
     check = head_dim != padded
-    candidates = (traits,) if traits is not None else sm80_backward_traits(head_dim)
-    main = BackwardKey("sm80", target, dtype, padded, bool(causal), check, bool(deterministic), candidates)
+    if traits is not None:
+        kernel, candidates = ("sm90" if isinstance(traits, Sm90BackwardTraits) else "sm80"), (traits,)
+    elif kernel == "sm90" and target == "sm_90a" and sm90_backward_traits(head_dim, causal, smem_capacity):
+        candidates = sm90_backward_traits(head_dim, causal, smem_capacity)
+    else:
+        kernel, candidates = "sm80", sm80_backward_traits(head_dim)
+    if kernel == "sm90" and target != "sm_90a":
+        raise ValueError(f"the SM90 backward kernel needs target sm_90a, got {target}")
+    main = BackwardKey(kernel, target, dtype, padded, bool(causal), check, bool(deterministic), candidates)
     return RowKernelKey("bwd_pre", target, dtype, padded, check), main
 
 
@@ -224,6 +236,7 @@ def build_backward(key, keep_artifacts: bool = False):
     import cutlass.cute as cute
 
     from cute_attn.kernels.sm80 import backward as bwd
+    from cute_attn.kernels.sm90 import backward as bwd90
 
     dtype = _cutlass_dtype(key.dtype)
     t = _fake_backward_tensors(dtype, key.head_dim)
@@ -233,17 +246,26 @@ def build_backward(key, keep_artifacts: bool = False):
         args = (t["o"], t["do"], t["lse"], t["lse_log2"], t["d"], t["dq_accum"])
     elif isinstance(key, RowKernelKey) and key.kind == "bwd_post":
         tr = key.traits
-        kernel = bwd.BackwardPostprocessSm80(dtype, key.head_dim, key.check_hdim, tr.tile_m, tr.num_warps, tr.dq_warps_m)
+        if isinstance(tr, Sm90BackwardTraits):  # the accumulator is in the SM90 kernel's slot order
+            kernel = bwd90.BackwardPostprocessSm90(dtype, key.head_dim, key.check_hdim, tr.tile_m)
+        else:
+            kernel = bwd.BackwardPostprocessSm80(dtype, key.head_dim, key.check_hdim, tr.tile_m, tr.num_warps,
+                                                 tr.dq_warps_m)
         args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0))
     elif isinstance(key, BackwardKey):
         args = (t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["d"], t["dq_accum"], t["dk"], t["dv"], t["sem"],
                 cutlass.Float32(1.0), cutlass.Float32(1.0), stream)
 
         def compile_one(tr, keep):
-            kernel = bwd.FlashAttentionBackwardSm80(
-                dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_warps, tr.sdp_warps_m, tr.dkv_warps_n,
-                tr.dq_warps_m, key.causal, key.check_hdim, key.deterministic,
-            )
+            if key.kernel == "sm90":
+                kernel = bwd90.FlashAttentionBackwardSm90(
+                    dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_stages, key.causal, key.deterministic,
+                )
+            else:
+                kernel = bwd.FlashAttentionBackwardSm80(
+                    dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_warps, tr.sdp_warps_m, tr.dkv_warps_n,
+                    tr.dq_warps_m, key.causal, key.check_hdim, key.deterministic,
+                )
             return _compile(kernel, *args, target=key.target, keep_artifacts=keep)
 
         return _first_without_local_memory(key.candidates, compile_one, keep_artifacts)
@@ -463,20 +485,27 @@ def backward_variants(
     causal: Iterable[bool] = (False, True),
     deterministic: Iterable[bool] = (False,),
     spec: str | None = None,
+    kernels: Iterable[str] = ("sm80", "sm90"),
 ) -> list:
-    """Every backward kernel (pre/main/post, deduplicated) over the given axes; ``spec`` (e.g.
-    'm64n128w8a2b4c2') replaces the traits table."""
+    """Every backward kernel (pre/main/post, deduplicated) over the given axes: each kernel family
+    on each target it runs on (SM90 on sm_90a, where head dims without an SM90 entry fall back to
+    SM80); ``spec`` (e.g. 'm64n128w8a2b4c2' or 'm64n128s2') replaces the traits table."""
     from cute_attn.traits import parse_backward_traits
 
     keys: dict = {}
-    for target in targets:
-        for d in head_dims:
-            traits = parse_backward_traits(spec, d) if spec else None
-            for dtype in dtypes:
-                for c in causal:
-                    for det in deterministic:
-                        pre, main = backward_keys(target, dtype, d, c, det, traits=traits)
-                        keys[pre] = keys[main] = None
-                        for traits in main.candidates:  # whichever the main kernel ends up with
-                            keys[backward_post_key(main, traits)] = None
+    for kernel in kernels:
+        for target in targets:
+            if spec is None and kernel == "sm90" and target != "sm_90a":
+                continue
+            for d in head_dims:
+                traits = parse_backward_traits(spec, d) if spec else None
+                if traits is not None and isinstance(traits, Sm90BackwardTraits) and target != "sm_90a":
+                    continue
+                for dtype in dtypes:
+                    for c in causal:
+                        for det in deterministic:
+                            pre, main = backward_keys(target, dtype, d, c, det, traits=traits, kernel=kernel)
+                            keys[pre] = keys[main] = None
+                            for chosen in main.candidates:  # whichever the main kernel ends up with
+                                keys[backward_post_key(main, chosen)] = None
     return list(keys)

@@ -1,9 +1,9 @@
 """The only place that looks at the GPU: compute capability -> kernel family and code target.
 
 - 8.x runs the SM80 kernels (mma.sync, cp.async, ldmatrix), compiled for that exact target.
-- 9.0 runs the SM90 forward (wgmma, TMA, warp specialisation), compiled for sm_90a; a head dim
-  without an SM90 traits entry that fits falls back to the SM80 forward (compile.forward_key).
-  The backward is the SM80 kernel on both.
+- 9.0 runs the SM90 forward and backward (wgmma, TMA, warp specialisation), compiled for sm_90a;
+  a head dim without an SM90 traits entry that fits falls back to the SM80 kernel of that
+  direction (compile.forward_key, compile.backward_keys; the backward: d192 and d256).
 - anything else raises.
 
 ``CUTE_ATTN_ARCH=sm80|sm90`` (or the ``force_arch("sm80")`` context manager) forces a kernel
@@ -24,7 +24,7 @@ _forced = threading.local()
 
 @dataclass(frozen=True)
 class DevicePlan:
-    kernel: str  # forward kernel family: "sm80" | "sm90"
+    kernel: str  # kernel family of both directions: "sm80" | "sm90"
     target: str  # "sm_80", "sm_86", "sm_89", "sm_90a", ...
     smem_capacity: int  # opt-in shared memory per block, bytes
     num_sms: int  # streaming multiprocessors (the size of a persistent grid)

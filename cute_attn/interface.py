@@ -208,7 +208,7 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determi
 
     plan = dispatch.plan_for_device(q.device)
     pre, main = compile_mod.backward_keys(plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], causal, deterministic,
-                                          traits=traits)
+                                          traits=traits, kernel=plan.kernel, smem_capacity=plan.smem_capacity)
     cache = compile_mod.backward_cache
     chosen = cache.chosen(main)
     if chosen.smem_bytes() > plan.smem_capacity:
@@ -219,7 +219,8 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determi
         )
     post = compile_mod.backward_post_key(main, chosen)
     batch, seqlen_q, heads, _ = q.shape
-    seqlen_q_pad = -(-seqlen_q // ROW_PAD) * ROW_PAD
+    pad = math.lcm(ROW_PAD, chosen.tile_m)  # whole Q blocks of the main kernel and of the preprocess
+    seqlen_q_pad = -(-seqlen_q // pad) * pad
     f32 = dict(dtype=torch.float32, device=q.device)
     lse_log2 = torch.empty((batch, heads, seqlen_q_pad), **f32)
     delta = torch.empty((batch, heads, seqlen_q_pad), **f32)

@@ -305,11 +305,56 @@ def sm80_backward_traits(head_dim: int) -> tuple[BackwardTraits, ...]:
     return SM80_BACKWARD[padded_head_dim(head_dim)]
 
 
-def parse_backward_traits(spec: str, head_dim: int) -> BackwardTraits:
-    """'m64n128w8a2b4c2' -> BackwardTraits (for tools and sweeps)."""
+def parse_backward_traits(spec: str, head_dim: int):
+    """'m64n128w8a2b4c2' -> BackwardTraits (SM80), 'm64n128s2' -> Sm90BackwardTraits (for tools and sweeps)."""
     import re
 
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)", spec)
+    if m:
+        return Sm90BackwardTraits(padded_head_dim(head_dim), *map(int, m.groups()))
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)a(\d+)b(\d+)c(\d+)", spec)
     if not m:
-        raise ValueError(f"backward traits spec must look like m64n128w8a2b4c2, got {spec!r}")
+        raise ValueError(f"backward traits spec must look like m64n128w8a2b4c2 (SM80) or m64n128s2 (SM90), got {spec!r}")
     return BackwardTraits(padded_head_dim(head_dim), *map(int, m.groups()))
+
+
+@dataclass(frozen=True)
+class Sm90BackwardTraits:
+    """Hopper backward: a producer warpgroup and two MMA warpgroups of 64 keys each."""
+
+    head_dim: int
+    tile_m: int  # Q rows per block (the N of S^T = K Q^T): 64 or 128
+    tile_n: int = 128  # K/V rows per CTA: 64 per MMA warpgroup
+    num_stages: int = 2  # shared-memory buffers for each of Q (+ LSE), dO (+ D) and dS
+
+    @property
+    def spec(self) -> str:
+        """'m64n128s2': the form parse_backward_traits and --bwd-sweep take."""
+        return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        d, m, n, s = self.head_dim, self.tile_m, self.tile_n, self.num_stages
+        # Q, dO, dS (per stage) + K, V + the fp32 dQ of one Q block + LSE, D (per stage) + barriers
+        return elem_bytes * (s * (2 * m * d + m * n) + 2 * n * d) + 4 * m * d + 2 * 4 * m * s + 1024
+
+
+# SM90 backward (wgmma, TMA, warp specialisation), FlashAttention-3's tiles: 128 keys per CTA in two
+# MMA warpgroups, per head dim and causality. Q blocks of 128 rows where the S^T and dP^T
+# accumulators (tile_m / 2 fp32 each per thread) fit beside dK and dV (head_dim / 2 each); 64 rows
+# for larger head dims. d192/d256 have no entry: dK and dV alone would take 192/256 registers per
+# thread at 128 keys per CTA (FlashAttention-3 computes them transposed with smaller K/V blocks),
+# so they run the SM80 backward.
+_B = Sm90BackwardTraits
+SM90_BACKWARD = {
+    32: dict.fromkeys((False, True), _B(32, tile_m=128)),
+    64: dict.fromkeys((False, True), _B(64, tile_m=128)),
+    96: dict.fromkeys((False, True), _B(96, tile_m=64)),
+    128: dict.fromkeys((False, True), _B(128, tile_m=64)),
+}
+
+
+def sm90_backward_traits(head_dim: int, causal: bool = False,
+                         smem_capacity: int | None = None) -> tuple[Sm90BackwardTraits, ...]:
+    """The SM90 backward candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80)."""
+    t = SM90_BACKWARD.get(padded_head_dim(head_dim), {}).get(bool(causal))
+    return tuple(c for c in (t,) if c is not None and (not smem_capacity or c.smem_bytes() <= smem_capacity))

@@ -1,4 +1,8 @@
-"""Backward kernels and autograd against the fp32 reference on the GPU (marker ``gpu``)."""
+"""Backward kernels and autograd against the fp32 reference on the GPU (marker ``gpu``).
+
+Every test runs once per kernel family the GPU can run (``arch``): SM80 everywhere, SM90 on
+compute capability 9.0 (its backward covers d32-128; d192/256 fall back to the SM80 kernel there).
+"""
 
 import pytest
 import torch
@@ -8,6 +12,15 @@ from cute_attn.reference import attention_backward_reference, attention_referenc
 from helpers import check_close, poisoned_like, random_qkv
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["sm80", "sm90"], autouse=True)
+def arch(request):
+    if request.param == "sm90" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the SM90 kernels need compute capability 9.0")
+    with cute_attn.force_arch(request.param):
+        yield request.param
+
 
 HEAD_DIMS = [32, 64, 96, 128, 192, 256, 72]  # table entries, then a padded one
 SEQLENS = [(1, 1), (17, 17), (113, 203), (127, 128), (129, 255), (255, 129), (1000, 1000), (300, 17), (17, 300)]
@@ -50,8 +63,9 @@ def test_backward_matches_reference(head_dim, dtype, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_backward_is_bitwise_repeatable(causal):
-    q, k, v = random_qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16)
+@pytest.mark.parametrize("head_dim", [32, 72, 128])
+def test_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
+    q, k, v = random_qkv(2, 1000, 1000, 8, 2, head_dim, torch.bfloat16)
     out, lse = cute_attn.forward(q, k, v, causal=causal, return_lse=True)
     dout = torch.randn_like(out)
     first = cute_attn.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)

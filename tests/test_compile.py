@@ -9,6 +9,7 @@ from cute_attn import artifacts
 from cute_attn.compile import (
     TARGETS,
     BackwardKey,
+    backward_keys,
     backward_variants,
     build,
     build_forward,
@@ -18,10 +19,13 @@ from cute_attn.compile import (
 from cute_attn.traits import (
     HEAD_DIMS,
     SM80_FORWARD,
+    SM90_BACKWARD,
     SM90_FORWARD,
+    Sm90BackwardTraits,
     Sm90ForwardTraits,
     fit_to_smem,
     padded_head_dim,
+    parse_backward_traits,
     parse_traits,
     sm90_tier_seqlen,
 )
@@ -50,10 +54,12 @@ def _keys(all_variants):
     ] + [forward_key("sm_90a", "bf16", 128, False, kernel="sm90", seqlen=8192)]  # K/V multicast
 
 
-BWD_SUBSET = [  # (head_dim, dtype, causal, deterministic)
+BWD_SUBSET = [  # (head_dim, dtype, causal, deterministic): with the SM90 kernel on sm_90a, every
+    # entry of its traits table (d32/64: 128-row Q blocks; d96 (72 padded)/128: 64-row)
     (64, "bf16", True, False),
     (128, "fp16", False, True),
     (72, "bf16", True, False),
+    (32, "bf16", False, True),
 ]
 
 
@@ -198,6 +204,20 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
     ptx, cubin = fn.__ptx__, fn.__cubin__
     assert artifacts.ptx_target(ptx) == bwd_key.target
     res = artifacts.cubin_resources(cubin)
+    if isinstance(bwd_key, BackwardKey) and bwd_key.kernel == "sm90":
+        counts = artifacts.count_ptx(ptx)
+        assert counts["wgmma"] > 0, "no wgmma.mma_async"
+        assert counts["cp.async.bulk.tensor"] > 0, "no TMA (cp.async.bulk.tensor)"
+        assert counts["mbarrier"] > 0, "no mbarrier pipeline"
+        assert counts["setmaxnreg"] == 2, "producer and MMA warpgroups should each set their register count"
+        assert counts["mma.sync"] == 0 and counts["cp.async"] == 0
+        assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx, "no bulk dQ reduction"
+        assert "stmatrix" in ptx, "dS and the dK/dV epilogue go through stmatrix"
+        if bwd_key.deterministic:
+            assert "ld.acquire.gpu" in ptx and "st.release.gpu" in ptx, "no semaphore ordering for dQ"
+        assert counts["ld.local/st.local"] == 0 and res["stack_frame"] == 0, (
+            f"{bwd_key.name}: {res['stack_frame']} bytes of local memory (spills)")
+        return
     if isinstance(bwd_key, BackwardKey):
         counts = artifacts.count_ptx(ptx)
         assert counts["mma.sync"] > 0 and counts["cp.async"] > 0 and counts["ldmatrix"] > 0
@@ -207,6 +227,34 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
             assert "atom.global.add.f32" in ptx or "red.global.add.f32" in ptx, "no fp32 atomics for dQ"
     if bwd_key.head_dim <= 128:
         assert res["stack_frame"] == 0, f"{bwd_key.name}: {res['stack_frame']} bytes of local memory (spills)"
+
+
+def test_sm90_backward_table_and_fallback():
+    # every SM90 backward entry fits Hopper's 227 KB; d192/d256 and other targets run the SM80 kernel
+    for d, by_causal in SM90_BACKWARD.items():
+        for causal, t in by_causal.items():
+            assert t.smem_bytes() <= 227 * 1024 and t.head_dim == d and t.tile_n == 128
+            _, main = backward_keys("sm_90a", "bf16", d, causal, False, kernel="sm90")
+            assert main.kernel == "sm90" and main.traits == t
+    for d in (192, 256):
+        assert backward_keys("sm_90a", "bf16", d, False, False, kernel="sm90")[1].kernel == "sm80"
+    assert backward_keys("sm_90a", "bf16", 72, True, False, kernel="sm90")[1].traits == SM90_BACKWARD[96][True]
+    assert backward_keys("sm_80", "bf16", 64, False, False, kernel="sm90")[1].kernel == "sm80"
+    assert backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90", smem_capacity=100 * 1024)[1].kernel == "sm80"
+    assert backward_keys("sm_90a", "bf16", 64, False, False)[1].kernel == "sm80"  # forced sm80 on Hopper
+    spec = parse_backward_traits("m64n128s2", 128)
+    assert spec == Sm90BackwardTraits(128, 64, 128, 2) and spec.spec == "m64n128s2"
+    assert backward_keys("sm_90a", "fp16", 128, True, True, traits=spec)[1].kernel == "sm90"
+    with pytest.raises(ValueError, match="sm_90a"):
+        backward_keys("sm_80", "fp16", 128, True, True, traits=spec)
+    with pytest.raises(ValueError, match="m64n128s2"):
+        parse_backward_traits("m64x", 128)
+    # the tools list the SM90 backward only for sm_90a, beside the SM80 one
+    kernels = {k.kernel for k in backward_variants(["sm_80", "sm_90a"], [64], ["bf16"], [True])
+               if isinstance(k, BackwardKey)}
+    assert kernels == {"sm80", "sm90"}
+    assert all(k.target == "sm_90a" for k in backward_variants(["sm_80", "sm_90a"], [64], ["bf16"], [True])
+               if isinstance(k, BackwardKey) and k.kernel == "sm90")
 
 
 def test_traits_fit_ampere_and_shrink_for_small_smem():

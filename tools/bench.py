@@ -209,7 +209,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwdbwd"], default=["fwd"])
     p.add_argument("--sweep", nargs="*", default=[], help="cute_attn with other forward traits too: SM80 m128n64w4s2, SM90 m128n128s2 (o0: no intra-warpgroup overlap, p0: no ping-pong)")
-    p.add_argument("--bwd-sweep", nargs="*", default=[], help="extra cute_attn SM80 backward traits, e.g. m64n128w8a2b4c2")
+    p.add_argument("--bwd-sweep", nargs="*", default=[], help="extra cute_attn backward traits: SM80 m64n128w8a2b4c2, SM90 m64n128s2")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--ceiling", action="store_true",
                    help="also time a bf16 8192^3 matmul in every round (the tensor-core ceiling)")

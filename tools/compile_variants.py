@@ -61,7 +61,7 @@ def main(argv=None):
     p.add_argument("--deterministic", choices=["0", "1", "both"], default="0", help="backward dQ ordering")
     p.add_argument("--bwd-traits", nargs="*", default=[], help="backward traits instead of the table, e.g. m64n128w8a2b4c2")
     p.add_argument("--kernel", nargs="+", choices=["sm80", "sm90"], default=["sm80", "sm90"],
-                   help="forward kernel families (sm90 compiles only for sm_90a)")
+                   help="kernel families (sm90 compiles only for sm_90a)")
     p.add_argument("--traits", nargs="*", default=[],
                    help="instead of the traits table, these forward traits: SM80 m128n64w4s2, SM90 m128n128s2")
     args = p.parse_args(argv)
@@ -78,7 +78,7 @@ def main(argv=None):
     if "bwd" in args.direction:
         det = {"0": [False], "1": [True], "both": [False, True]}[args.deterministic]
         for spec in args.bwd_traits or [None]:
-            keys += backward_variants(args.arch, args.head_dim, args.dtype, causal, det, spec=spec)
+            keys += backward_variants(args.arch, args.head_dim, args.dtype, causal, det, spec=spec, kernels=args.kernel)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     reports = []

@@ -22,22 +22,27 @@ class NamedBarrier(enum.IntEnum):
     EPILOGUE_WG1 = 5  # consumer warpgroup i's threads: its rows of O in shared memory (5, 6, 7)
 
 
-def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, slice_cols: int | None = None):
     """(rows, cols[, stages]) row-major tile with the widest swizzle a row of ``cols`` allows: the
-    layout TMA writes and wgmma reads (K-major for Q, K; MN-major for V seen transposed)."""
-    atom = warpgroup.make_smem_layout_atom(hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    layout TMA writes and wgmma reads (K-major for Q, K; MN-major for V seen transposed). A tile
+    that warpgroups read MN-major in column slices of ``slice_cols`` takes the widest swizzle that
+    fits one slice (a wgmma operand must start on a swizzle atom)."""
+    width = cols if slice_cols is None else slice_cols
+    atom = warpgroup.make_smem_layout_atom(hopper.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, width), dtype)
     shape = (rows, cols) if stages is None else (rows, cols, stages)
     return cute.tile_to_shape(atom, shape, (0, 1) if stages is None else (0, 1, 2))
 
 
-def tiled_mma(dtype, num_warpgroups: int, n: int, b_major_mn: bool, a_in_registers: bool) -> cute.TiledMma:
-    """wgmma with warpgroups stacked along M (64 rows each) and the whole N in one instruction."""
+def tiled_mma(dtype, num_warpgroups: int, n: int, b_major_mn: bool, a_in_registers: bool,
+              warpgroups_along_n: bool = False) -> cute.TiledMma:
+    """wgmma with warpgroups stacked along M (64 rows each) and the whole N in one instruction; or,
+    with ``warpgroups_along_n``, side by side along N (each takes ``n`` columns of every row)."""
     return hopper.make_trivial_tiled_mma(
         dtype, dtype,
         OperandMajorMode.K,
         OperandMajorMode.MN if b_major_mn else OperandMajorMode.K,
         Float32,
-        atom_layout_mnk=(num_warpgroups, 1, 1),
+        atom_layout_mnk=(1, num_warpgroups, 1) if warpgroups_along_n else (num_warpgroups, 1, 1),
         tiler_mn=(64, n),
         a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
     )
@@ -73,3 +78,11 @@ def tma_tiles(atom: cute.CopyAtom, gmem: cute.Tensor, smem: cute.Tensor, cta_ran
         atom, cta_rank, cute.make_layout(cluster_size), cute.group_modes(smem, 0, 2), cute.group_modes(gmem, 0, 2)
     )
     return s, g
+
+
+def release_stage(pipe, state):
+    """``pipe.consumer_release(state)`` by every consumer thread, for pipelines whose consumer
+    group counts one arrive per thread. The DSL's release arrives from lane 0 of each warp, and
+    under register pressure ptxas recomputes that predicate from the thread index (S2R) at every
+    release: a short-scoreboard stall measured at ~4% of the SM90 backward's issue stalls."""
+    pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask)

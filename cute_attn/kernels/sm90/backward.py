@@ -1,0 +1,568 @@
+"""FlashAttention-3 style backward for Hopper (wgmma, TMA, warp specialisation), written with the CuTe DSL.
+
+The preprocess (D = rowsum(dO * O), LSE in log2, the dQ accumulator zeroed) is the SM80 one
+(kernels/sm80/backward.py); this file holds the main kernel and the dQ postprocess.
+
+Grid: one CTA per (K/V block of ``tile_n`` keys, K/V head, batch). The CTA keeps K and V in shared
+memory and dK, dV in registers, and walks every Q block of every query head that reads its K/V
+head (GQA/MQA: dK and dV are summed in registers), from the first Q block that sees any of its
+keys (causal) to the last. Per Q block, recomputing attention from the saved LSE:
+
+    S^T  = K Q^T,  P^T = exp2(S^T * scale_log2 - LSE_log2)    (masked on the diagonal / seqlen_k end)
+    dP^T = V dO^T, dS^T = P^T * (dP^T - D)
+    dV += P^T dO,  dK += dS^T Q,  dQ = dS K  (this K/V block's share, fp32)
+
+S and dP are computed transposed (keys along the wgmma M dimension, one warpgroup per 64 keys),
+so P^T and dS^T land in registers exactly as the A operand of the dV and dK GEMMs need them: P
+never touches shared memory, dS does once, for dQ = dS K, which needs all the CTA's keys.
+
+Warp specialisation (``kernel``):
+- warp 0 (producer): TMA loads K and V once, then per Q block Q + LSE and dO + D into
+  ``num_stages`` buffers each (mbarrier pipelines ``pipe_q`` and ``pipe_do``).
+- warp 1 (dQ writer): per Q block, adds each MMA warpgroup's fp32 dQ from shared memory into the
+  global accumulator with one bulk reduction (``cp.reduce.async.bulk ... .add.f32``), in a fixed
+  order per Q block when deterministic (a semaphore per Q block, FlashAttention-3 style).
+- warpgroups 1-2 (MMA): the five GEMMs and the element-wise work; ``setmaxnreg`` moves the
+  producer warpgroup's registers to them.
+
+The dQ accumulator holds each Q block's tile_m x head_dim floats in the order of the dQ MMA's
+register fragments (``dq_accum_slots``): the MMA warpgroups write shared memory with 128-bit
+stores free of bank conflicts, and one contiguous bulk reduction per warpgroup adds it to global
+memory. ``BackwardPostprocessSm90`` reads it back in the same order, scales by softmax_scale and
+converts to the input dtype.
+"""
+
+import enum
+from functools import partial
+from typing import Type
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.experimental import primitives
+
+from cute_attn.kernels import block_info
+from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
+from cute_attn.kernels.mask import apply_mask_transposed
+from cute_attn.kernels.sm80 import common as sm80_common
+from cute_attn.kernels.sm90 import common
+from cute_attn.kernels.sm90.common import WARPGROUP_THREADS
+
+NUM_MMA_WARPGROUPS = 2
+# registers per thread after setmaxnreg: the MMA warpgroups take what the producer warpgroup gives
+# back (24 * 128 + 2 * 240 * 128 <= 64K)
+MMA_REGISTERS, PRODUCER_REGISTERS = 240, 24
+# dQ accumulator slots: 128-bit vectors of fp32
+DQ_VECTOR = 4
+
+
+class Barrier(enum.IntEnum):
+    """Named barriers of the backward (0 is __syncthreads)."""
+
+    PDS = 1  # both MMA warpgroups: this Q block's dS is in shared memory
+    EPILOGUE = 2  # both MMA warpgroups: done reading K and V (dK, dV reuse their buffers)
+    DQ_FULL_WG1 = 3  # MMA warpgroup i + the dQ writer: its dQ is in shared memory (3, 4)
+    DQ_EMPTY_WG1 = 5  # MMA warpgroup i + the dQ writer: its dQ buffer may be written (5, 6)
+
+
+def dq_accum_slots(mdQ_accum: cute.Tensor, batch, head, m_block, tile_m: int, head_dim: int,
+                   num_chunks: int) -> cute.Tensor:
+    """One Q block's fp32 dQ accumulator as (tile_m * head_dim / num_chunks, num_chunks): a
+    contiguous chunk per MMA warpgroup, in the slot order of ``dq_slot_copy``."""
+    block = cute.local_tile(mdQ_accum[batch, head, None, None], (tile_m, head_dim), (m_block, 0))
+    return cute.make_tensor(block.iterator, cute.make_layout((tile_m * head_dim // num_chunks, num_chunks)))
+
+
+def dq_slot_copy(num_chunks: int) -> cute.TiledCopy:
+    """Thread t of warpgroup w owns 128-bit vectors t, t + 128, t + 256, ... of chunk w, in the
+    order of its dQ accumulator registers: each warp stores 512 contiguous bytes at a time."""
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=32 * DQ_VECTOR),
+        cute.make_layout((WARPGROUP_THREADS, num_chunks)),
+        cute.make_layout(DQ_VECTOR),
+    )
+
+
+def dq_tiled_mma(dtype, tile_m: int, head_dim: int) -> cute.TiledMma:
+    """dQ = dS K: with 128-row Q blocks the two warpgroups take 64 rows each, with 64 half the
+    head dim each; either way every warpgroup reads all of dS's keys."""
+    if tile_m == 64 * NUM_MMA_WARPGROUPS:
+        return common.tiled_mma(dtype, NUM_MMA_WARPGROUPS, head_dim, b_major_mn=True, a_in_registers=False)
+    return common.tiled_mma(dtype, NUM_MMA_WARPGROUPS, head_dim // NUM_MMA_WARPGROUPS, b_major_mn=True,
+                            a_in_registers=False, warpgroups_along_n=True)
+
+
+class FlashAttentionBackwardSm90:
+    """Compile-time configuration of one main backward variant; ``__call__`` launches it.
+
+    head_dim: the padded head dim (TMA zero-fills the columns past the actual one on load and
+    clips them on store). tile_n: 64 keys per MMA warpgroup. tile_m: Q rows per block (64 or 128).
+    num_stages: shared-memory buffers for each of Q and dO (and dS).
+    """
+
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        tile_m: int,
+        tile_n: int,
+        num_stages: int,
+        causal: bool,
+        deterministic: bool,
+    ):
+        assert tile_n == 64 * NUM_MMA_WARPGROUPS, "tile_n: 64 keys per MMA warpgroup"
+        assert tile_m in (64, 128) and head_dim % 16 == 0
+        assert tile_m == 128 or head_dim % (16 * NUM_MMA_WARPGROUPS) == 0
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.causal = causal
+        self.deterministic = deterministic
+        self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
+        self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
+
+    def _dq_cols_per_warpgroup(self) -> int:
+        """Head-dim columns of dQ = dS K per MMA warpgroup (``dq_tiled_mma``)."""
+        return self.head_dim if self.tile_m == 64 * NUM_MMA_WARPGROUPS else self.head_dim // NUM_MMA_WARPGROUPS
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mV: cute.Tensor,
+        mdO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mLSE_log2: cute.Tensor,  # (batch, heads, seqlen_q_padded) fp32
+        mD: cute.Tensor,  # (batch, heads, seqlen_q_padded) fp32
+        mdQ_accum: cute.Tensor,  # (batch, heads, seqlen_q_padded, head_dim_padded) fp32
+        mdK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mdV: cute.Tensor,
+        mSemaphore: cute.Tensor,  # (batch, heads, seqlen_q_padded / tile_m) int32, deterministic only
+        softmax_scale: Float32,
+        softmax_scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        # TMA copies tiles of the first two modes: view the tensors as (seqlen, head_dim, heads, batch)
+        mQ, mK, mV, mdO, mdK, mdV = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mdO, mdK, mdV)
+        ]
+        d, m, n, s = self.head_dim, self.tile_m, self.tile_n, self.num_stages
+        sQ_layout = common.smem_layout(self.dtype, m, d, s)  # Q and dO
+        # K and V, then dK and dV; K is also read MN-major by dQ = dS K in each warpgroup's columns
+        sKV_layout = common.smem_layout(self.dtype, n, d, slice_cols=self._dq_cols_per_warpgroup())
+        sdS_layout = common.smem_layout(self.dtype, m, n, s)
+        sQ_stage = cute.select(sQ_layout, mode=[0, 1])
+
+        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_stage, (m, d))
+        atom_dO, tma_dO = cpasync.make_tiled_tma_atom(load, mdO, sQ_stage, (m, d))
+        atom_K, tma_K = cpasync.make_tiled_tma_atom(load, mK, sKV_layout, (n, d))
+        atom_V, tma_V = cpasync.make_tiled_tma_atom(load, mV, sKV_layout, (n, d))
+        atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store, mdK, sKV_layout, (n, d))
+        atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store, mdV, sKV_layout, (n, d))
+
+        # S^T = K Q^T and dP^T = V dO^T: one warpgroup per 64 keys, both operands K-major
+        mma_sdp = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, m, b_major_mn=False, a_in_registers=False)
+        # dV += P^T dO and dK += dS^T Q: P^T, dS^T from registers, dO and Q read MN-major
+        mma_dkv = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, d, b_major_mn=True, a_in_registers=True)
+        mma_dq = dq_tiled_mma(self.dtype, m, d)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * s]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * s]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, m * s], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, m * s], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
+
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE_log2, mD, mdQ_accum, mSemaphore,
+            softmax_scale, softmax_scale_log2, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
+            sQ_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
+        ).launch(
+            grid=(cute.ceil_div(mK.shape[0], n), cute.size(mK.shape[2]), cute.size(mK.shape[3])),
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA views, (seqlen, head_dim, heads, batch)
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mLSE_log2: cute.Tensor,
+        mD: cute.Tensor,
+        mdQ_accum: cute.Tensor,
+        mSemaphore: cute.Tensor,
+        softmax_scale: Float32,
+        softmax_scale_log2: Float32,
+        atom_Q: cute.CopyAtom,
+        atom_K: cute.CopyAtom,
+        atom_V: cute.CopyAtom,
+        atom_dO: cute.CopyAtom,
+        atom_dK: cute.CopyAtom,
+        atom_dV: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        # Pipelines: a full barrier completes when TMA has written a stage's bytes, an empty
+        # barrier when every MMA thread has released the stage (common.release_stage).
+        make_pipeline = partial(
+            pipeline.PipelineTmaAsync.create,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            defer_sync=True,
+        )
+        tile_bytes = self.dtype.width // 8 * self.head_dim
+        row_bytes = self.tile_m * Float32.width // 8  # LSE or D of one Q block
+        pipe_kv = make_pipeline(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
+                                tx_count=2 * tile_bytes * self.tile_n)
+        pipe_q = make_pipeline(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
+                               tx_count=tile_bytes * self.tile_m + row_bytes)
+        pipe_do = make_pipeline(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
+                                tx_count=tile_bytes * self.tile_m + row_bytes)
+        pipeline.pipeline_init_arrive(is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        rows = cute.make_layout((self.tile_m, self.num_stages))
+        sLSE = storage.sLSE.get_tensor(rows)
+        sD = storage.sD.get_tensor(rows)
+        sdQ = storage.sdQ.get_tensor(cute.make_layout((self.tile_m * self.head_dim // NUM_MMA_WARPGROUPS,
+                                                       NUM_MMA_WARPGROUPS)))
+        pipeline.pipeline_init_wait()
+
+        work = self._work(mQ, mK)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                self._produce(mQ, mK, mV, mdO, mLSE_log2, mD, sQ, sK, sV, sdO, sLSE, sD, atom_Q, atom_K, atom_V,
+                              atom_dO, pipe_kv, pipe_q, pipe_do, work)
+            if warp_idx == 1:
+                self._write_dq(mdQ_accum, mSemaphore, sdQ, work)
+        else:
+            cute.arch.setmaxregister_increase(MMA_REGISTERS)
+            self._mma(mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv, mma_dq,
+                      pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, work)
+
+    @cute.jit
+    def _work(self, mQ: cute.Tensor, mK: cute.Tensor):
+        """This CTA's K/V block, K/V head and batch, and the Q blocks it visits: (n_block, head_kv,
+        batch, first query head, query heads per K/V head, first Q block, Q blocks per head,
+        seqlen_q, seqlen_k). Every role walks the same (head, Q block) sequence."""
+        n_block, head_kv, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]  # query heads per K/V head
+        m_min = block_info.m_block_min(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
+        num_m = cutlass.max(cute.ceil_div(seqlen_q, self.tile_m) - m_min, 0)
+        return n_block, head_kv, batch, head_kv * group, group, m_min, num_m, seqlen_q, seqlen_k
+
+    # ------------------------------------------------------------------ producer warp
+    @cute.jit
+    def _produce(self, mQ, mK, mV, mdO, mLSE_log2, mD, sQ, sK, sV, sdO, sLSE, sD, atom_Q, atom_K, atom_V, atom_dO,
+                 pipe_kv, pipe_q, pipe_do, work):
+        """TMA loads: K and V once, then Q + LSE and dO + D per Q block, in the MMA warpgroups' order."""
+        n_block, head_kv, batch, head0, group, m_min, num_m, _, _ = work
+        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        for atom, mX, sX in ((atom_K, mK, sK), (atom_V, mV, sV)):
+            tXsX, tXgX = common.tma_tiles(atom, cute.local_tile(mX[None, None, head_kv, batch], tile_kv, (n_block, 0)), sX)
+            cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+        bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for g in cutlass.range(group, unroll=1):
+            head = head0 + g
+            tQsQ, tQgQ = common.tma_tiles(atom_Q, cute.local_tile(mQ[None, None, head, batch], tile_q, (None, 0)), sQ)
+            tdOsdO, tdOgdO = common.tma_tiles(atom_dO, cute.local_tile(mdO[None, None, head, batch], tile_q, (None, 0)),
+                                              sdO)
+            gLSE = cute.local_tile(mLSE_log2[batch, head, None], (self.tile_m,), (None,))
+            gD = cute.local_tile(mD[batch, head, None], (self.tile_m,), (None,))
+            for i in cutlass.range(num_m, unroll=1):
+                m_block = m_min + i
+                pipe_q.producer_acquire(q_state)
+                bar = pipe_q.producer_get_barrier(q_state)
+                cute.copy(atom_Q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bar)
+                with cute.arch.elect_one():
+                    cute.copy(bulk, gLSE[None, m_block], sLSE[None, q_state.index], mbar_ptr=bar)
+                q_state.advance()
+                pipe_do.producer_acquire(do_state)
+                bar = pipe_do.producer_get_barrier(do_state)
+                cute.copy(atom_dO, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=bar)
+                with cute.arch.elect_one():
+                    cute.copy(bulk, gD[None, m_block], sD[None, do_state.index], mbar_ptr=bar)
+                do_state.advance()
+
+    # ------------------------------------------------------------------ dQ writer warp
+    @cute.jit
+    def _write_dq(self, mdQ_accum, mSemaphore, sdQ, work):
+        """Per Q block, add each MMA warpgroup's dQ chunk from shared memory into the global fp32
+        accumulator (one bulk reduction each). A chunk's buffer is handed back to its warpgroup
+        once the previous reduction has read it."""
+        n_block, _, batch, head0, group, m_min, num_m, _, _ = work
+        lane = cute.arch.lane_idx()
+        chunk_bytes = self.tile_m * self.head_dim * Float32.width // 8 // NUM_MMA_WARPGROUPS
+        for g in cutlass.range(group, unroll=1):
+            head = head0 + g
+            for i in cutlass.range(num_m, unroll=1):
+                m_block = m_min + i
+                for wg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
+                    # reductions complete in order: at most the later warpgroups' may still read
+                    cute.arch.cp_async_bulk_wait_group(NUM_MMA_WARPGROUPS - 1 - wg, read=True)
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY_WG1) + wg,
+                                             number_of_threads=WARPGROUP_THREADS + 32)
+                sem = None
+                if const_expr(self.deterministic):
+                    # K/V blocks add their share of a Q block in increasing n_block order
+                    sem = mSemaphore[batch, head, None].iterator + m_block
+                    if lane == 0:
+                        while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
+                            pass
+                    cute.arch.sync_warp()
+                gdQ = dq_accum_slots(mdQ_accum, batch, head, m_block, self.tile_m, self.head_dim, NUM_MMA_WARPGROUPS)
+                for wg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
+                    cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL_WG1) + wg, number_of_threads=WARPGROUP_THREADS + 32)
+                    with cute.arch.elect_one():
+                        primitives.cp_reduce_async_bulk_global_shared_cta(
+                            gdQ[None, wg].iterator, sdQ[None, wg].iterator, chunk_bytes,
+                            op=primitives.CpReduceOp.ADD, type=primitives.CpReduceType.F32,
+                        )
+                    cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # the additions have landed
+                    if lane == 0:
+                        cute.arch.store(sem, n_block + 1, sem="release", scope="gpu")
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # ------------------------------------------------------------------ MMA warpgroups
+    @cute.jit
+    def _mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv, mma_dq,
+             pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, work):
+        n_block, head_kv, batch, _, group, m_min, num_m, seqlen_q, seqlen_k = work
+        tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # index among the MMA threads
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+        # wgmma operands are described per warpgroup (shared-memory descriptors), accumulators per thread
+        wg_first_thread = cute.make_layout(NUM_MMA_WARPGROUPS, stride=WARPGROUP_THREADS)(wg)
+        wg_sdp, wg_dkv, wg_dq = (mma.get_slice(wg_first_thread) for mma in (mma_sdp, mma_dkv, mma_dq))
+        thr_sdp, thr_dkv, thr_dq = (mma.get_slice(tidx) for mma in (mma_sdp, mma_dkv, mma_dq))
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        # dS^T (keys x queries in registers) -> dS (queries x keys, K-major for dQ = dS K): stmatrix.trans
+        stsm_dS = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(True, 4), self.dtype),
+                                         mma_sdp).get_slice(tidx)
+        tdSsdS = stsm_dS.partition_D(transpose_smem(sdS))
+        copy_dQ = dq_slot_copy(NUM_MMA_WARPGROUPS).get_slice(tidx)
+        tdQsdQ = copy_dQ.partition_D(sdQ)
+        # each accumulator element's (key, query) in the tile, for the masks
+        cS = cute.make_identity_tensor((self.tile_n, self.tile_m))
+        tScS, tScS_thread0 = thr_sdp.partition_C(cS), mma_sdp.get_slice(0).partition_C(cS)
+
+        ctx = (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdKrdS, tdVrdOt, tdKrQt,
+               tdQrdS, tdQrKt, acc_dK, acc_dV, stsm_dS, tdSsdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD,
+               pipe_q, pipe_do, softmax_scale_log2, n_block, seqlen_q, seqlen_k, wg)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        # One loop body for every Q block, masked or not: a second, unmasked copy of the body
+        # (as the forward has) measured 2-5% slower here, the masks being one compare and select
+        # per element against the ~100 cycles per element of the five GEMMs.
+        for _ in cutlass.range(group, unroll=1):
+            for i in cutlass.range(num_m, unroll=1):
+                self._backward_block(ctx, q_state, do_state, m_min + i)
+                q_state.advance()
+                do_state.advance()
+        self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
+                       n_block, head_kv, batch)
+
+    @cute.jit
+    def _backward_block(self, ctx, q_state, do_state, m_block: Int32):
+        """The five GEMMs of one Q block. wgmma groups complete in issue order, so each
+        ``wait=1`` below means "everything but the GEMM just issued is done"."""
+        (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdKrdS, tdVrdOt, tdKrQt,
+         tdQrdS, tdQrKt, acc_dK, acc_dV, stsm_dS, tdSsdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD,
+         pipe_q, pipe_do, softmax_scale_log2, n_block, seqlen_q, seqlen_k, wg) = ctx
+        q_stage, do_stage = q_state.index, do_state.index
+
+        # S^T = K Q^T and dP^T = V dO^T, back to back
+        pipe_q.consumer_wait(q_state)
+        acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+        common.wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q_stage], zero_init=True, wait=-1)
+        pipe_do.consumer_wait(do_state)
+        acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+        common.wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do_stage], zero_init=True, wait=-1)
+        # the LSE and D of this thread's queries, read from shared memory where used: loading them
+        # into registers up front measured 0-3% slower (tile_m / 2 more live registers; d64 spills)
+        lse_log2 = self._per_query(thr_sdp, sLSE, q_stage)
+        d = self._per_query(thr_sdp, sD, do_stage)
+        warpgroup.wait_group(1)
+
+        # P^T = exp2(S^T * scale_log2 - LSE_log2[query]) while dP^T is in flight
+        apply_mask_transposed(acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n,
+                              seqlen_q, seqlen_k, self.causal)
+        S = acc_to_rows_cols(acc_S)
+        for c in cutlass.range_constexpr(cute.size(S.shape[1])):
+            for r in cutlass.range_constexpr(cute.size(S.shape[0])):
+                S[r, c] = cute.math.exp2(S[r, c] * softmax_scale_log2 - lse_log2[c], fastmath=True)
+        tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+
+        # dS^T = P^T * (dP^T - D[query])
+        warpgroup.wait_group(0)
+        dP = acc_to_rows_cols(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(dP.shape[1])):
+            for r in cutlass.range_constexpr(cute.size(dP.shape[0])):
+                dP[r, c] = S[r, c] * (dP[r, c] - d[c])
+        rdS = convert(acc_dP, self.dtype)
+        tdKrdS.store(acc_to_operand_a(rdS).load())
+        # this stage's dS buffer was last read by the dQ GEMM of two Q blocks ago, which both
+        # warpgroups waited for before the last PDS barrier
+        cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS[None, None, None, q_stage])
+
+        # dV += P^T dO
+        common.wgmma(mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do_stage], zero_init=False, wait=-1)
+        cute.arch.fence_view_async_shared()  # dS's generic-proxy writes, visible to wgmma
+        cute.arch.barrier(barrier_id=int(Barrier.PDS), number_of_threads=self.num_mma_threads)
+
+        # dQ = dS K (both warpgroups' keys), then dK += dS^T Q
+        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        common.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, q_stage], tdQrKt, zero_init=True, wait=1)
+        common.release_stage(pipe_do, do_state)  # dO: read by dP^T and dV, both done
+        common.wgmma(mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, q_stage], zero_init=False, wait=1)
+
+        # dQ -> this warpgroup's shared buffer, once the dQ writer has handed it back
+        cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY_WG1) + wg, number_of_threads=WARPGROUP_THREADS + 32)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
+        cute.arch.fence_view_async_shared()  # visible to the bulk reduction (async proxy)
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL_WG1) + wg, number_of_threads=WARPGROUP_THREADS + 32)
+
+        warpgroup.wait_group(0)
+        common.release_stage(pipe_q, q_state)  # Q: read by S^T and dK, both done
+
+    @cute.jit
+    def _per_query(self, thr_sdp: cute.ThrMma, sRow: cute.Tensor, stage: Int32) -> cute.Tensor:
+        """A shared-memory view of sRow[query, stage] for each accumulator column (query) of this
+        thread, indexed by column."""
+        rows_of_one = cute.make_tensor(sRow[None, stage].iterator, cute.make_layout((self.tile_n, self.tile_m), stride=(0, 1)))
+        return acc_to_rows_cols(thr_sdp.partition_C(rows_of_one))[0, None]
+
+    @cute.jit
+    def _epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
+                  n_block, head_kv, batch):
+        """dK * softmax_scale; dK and dV -> shared memory (K's and V's buffers, stmatrix) -> global
+        (TMA stores, which clip rows past seqlen_k and columns past the actual head dim)."""
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        rdK, rdV = convert(acc_dK, self.dtype), convert(acc_dV, self.dtype)
+        barrier = partial(cute.arch.barrier, barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+        barrier()  # both warpgroups are done reading K and V
+        stsm = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+                                      mma_dkv).get_slice(tidx)
+        cute.copy(stsm, stsm.retile(rdK), stsm.partition_D(sK))
+        cute.copy(stsm, stsm.retile(rdV), stsm.partition_D(sV))
+        cute.arch.fence_view_async_shared()
+        barrier()
+        if tidx == 0:
+            tile = (self.tile_n, self.head_dim)
+            for atom, mX, sX in ((atom_dK, mdK, sK), (atom_dV, mdV, sV)):
+                tXsX, tXgX = common.tma_tiles(atom, cute.local_tile(mX[None, None, head_kv, batch], tile, (n_block, 0)), sX)
+                cute.copy(atom, tXsX, tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+class BackwardPostprocessSm90:
+    """dQ = dQ_accum * softmax_scale in the input dtype, one (Q block, head, batch) per CTA of two
+    warpgroups, reading the accumulator in the main kernel's slot order (``dq_slot_copy``)."""
+
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, check_hdim: bool, tile_m: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.check_hdim = check_hdim
+        self.tile_m = tile_m
+        self.num_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
+
+    @cute.jit
+    def __call__(self, mdQ_accum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream):
+        # rows padded by 16 bytes rather than swizzled: the 2-element stores of the wgmma C layout
+        # and the 128-bit row reads are both free of bank conflicts, for every head dim (the
+        # DSL cannot partition a 96-column swizzled tile by the 48-column dQ fragments of d96)
+        sdQ_layout = cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + 8, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)], 1024]
+
+        copy_store = sm80_common.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, asynchronous=False)
+        mma_dq = dq_tiled_mma(self.dtype, self.tile_m, self.head_dim)
+        self.kernel(mdQ_accum, mdQ, softmax_scale, sdQ_layout, copy_store, mma_dq, SharedStorage).launch(
+            grid=(cute.ceil_div(mdQ.shape[1], self.tile_m), cute.size(mdQ.shape[2]), cute.size(mdQ.shape[0])),
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mdQ_accum, mdQ, softmax_scale: Float32, sdQ_layout,
+               copy_store: cute.TiledCopy, mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        tile = (self.tile_m, self.head_dim)
+        acc = cute.make_rmem_tensor(mma_dq.get_slice(tidx).partition_shape_C(tile), Float32)
+        slots = dq_slot_copy(NUM_MMA_WARPGROUPS).get_slice(tidx).partition_S(
+            dq_accum_slots(mdQ_accum, batch, head, m_block, self.tile_m, self.head_dim, NUM_MMA_WARPGROUPS))
+        flat = cute.make_tensor(acc.iterator, cute.make_layout(slots.shape))
+        cute.autovec_copy(slots, flat)
+        acc.store(acc.load() * softmax_scale)
+        rdQ = convert(acc, self.dtype)
+        sdQ = cutlass.memory.SmemAllocator().allocate(SharedStorage).sdQ.get_tensor(sdQ_layout)
+        gdQ = cute.local_tile(mdQ[batch, None, head, None], tile, (m_block, 0))
+        sm80_common.store_acc_tile(rdQ, sdQ, mma_dq, copy_store, gdQ, tidx, mdQ.shape[1] - m_block * self.tile_m,
+                                   mdQ.shape[3], self.check_hdim)
