@@ -6,6 +6,7 @@
     python tools/bench.py --sweep m128n64w4s2 m128n128s2o0  # cute_attn with other traits too (SM80, SM90)
     python tools/bench.py --ceiling             # and a bf16 8192^3 matmul in every round, as a ceiling
     python tools/bench.py --sustained 2         # 2 s of back-to-back calls per timing (power-limited)
+    python tools/bench.py --modes bwd --deterministic  # and cute_attn's backward with deterministic=True
 
 Peers: torch SDPA with the flash (FlashAttention-2) and cuDNN backends, and FlashAttention-4
 (``flash_attn.cute``) when importable. Batch = tokens / seqlen, heads = 2048 / head_dim.
@@ -89,13 +90,17 @@ def _cute_attn_runners(sweep: list[str]):
     return runners
 
 
-def _cute_attn_backward_runners(sweep: list[str]):
-    """cute_attn with other backward traits: an autograd function over forward + _launch_backward."""
+def _cute_attn_backward_runners(sweep: list[str], deterministic: bool = False):
+    """cute_attn with other backward traits: an autograd function over forward + _launch_backward;
+    with ``deterministic``, also the default kernels with a fixed dQ summation order."""
     import cute_attn
     from cute_attn.interface import _launch_backward
     from cute_attn.traits import parse_backward_traits
 
     runners = {}
+    if deterministic:
+        runners["cute_attn deterministic"] = lambda q, k, v, causal: cute_attn.flash_attn_func(
+            q, k, v, causal=causal, deterministic=True)
     for spec in sweep:
 
         class Fn(torch.autograd.Function):
@@ -210,6 +215,8 @@ def main(argv=None):
     p.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwdbwd"], default=["fwd"])
     p.add_argument("--sweep", nargs="*", default=[], help="cute_attn with other forward traits too: SM80 m128n64w4s2, SM90 m128n128s2 (o0: no intra-warpgroup overlap, p0: no ping-pong)")
     p.add_argument("--bwd-sweep", nargs="*", default=[], help="extra cute_attn backward traits: SM80 m64n128w8a2b4c2, SM90 m64n128s2")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bwd/fwdbwd: also cute_attn with deterministic=True (the cost of a fixed dQ order)")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--ceiling", action="store_true",
                    help="also time a bf16 8192^3 matmul in every round (the tensor-core ceiling)")
@@ -223,7 +230,7 @@ def main(argv=None):
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     ours = _cute_attn_runners(args.sweep)
-    ours_bwd = _cute_attn_backward_runners(args.bwd_sweep)
+    ours_bwd = _cute_attn_backward_runners(args.bwd_sweep, args.deterministic)
     peers = {} if args.no_peers else _peers()
     extra = {}
     if args.ceiling:
