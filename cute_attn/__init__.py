@@ -8,6 +8,7 @@
 
 from cute_attn.dispatch import force_arch
 from cute_attn.interface import backward, flash_attn_func, forward
+from cute_attn import ops  # noqa: E402,F401  registers torch.ops.cute_attn.fwd / bwd
 from cute_attn.reference import attention_reference
 
 __version__ = "0.1.0"

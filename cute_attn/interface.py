@@ -107,6 +107,11 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     float32 in natural log (+inf for a query that sees no key; its out row is 0).
     Launches on torch's current CUDA stream; no host synchronisation.
     """
+    if torch.compiler.is_compiling() and out is None:  # traced as the custom op (cute_attn/ops.py)
+        from cute_attn import ops
+
+        out, lse = ops.fwd(q, k, v, causal, softmax_scale, False)
+        return (out, lse) if return_lse else out
     _check_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -180,6 +185,10 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     dq/dk/dv may be given to write into; otherwise they are allocated like q/k/v. With GQA/MQA,
     dk and dv are summed over the query heads that share each K/V head.
     """
+    if torch.compiler.is_compiling() and dq is None and dk is None and dv is None:
+        from cute_attn import ops
+
+        return ops.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
     _check_qkv(q, k, v)
     _check_like("out", out, q)
     _check_like("dout", dout, q)
@@ -245,34 +254,23 @@ def _grad_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class FlashAttnFunc(torch.autograd.Function):
-    """Saves q, k, v, out and lse (never P); the backward recomputes attention block by block."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, deterministic):
-        out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(
-            _grad_ready(dout), q, k, v, out, lse, causal=ctx.causal, softmax_scale=ctx.softmax_scale,
-            deterministic=ctx.deterministic,
-        )
-        needs = ctx.needs_input_grad
-        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None, None, None)
-
-
 def flash_attn_func(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     deterministic: bool = False, return_lse: bool = False):
     """``forward`` with autograd: ``out = flash_attn_func(q, k, v, causal=True); out.sum().backward()``.
 
     Memory stays linear in the sequence length: only q, k, v, out and lse are saved.
-    ``return_lse=True`` also returns the (non-differentiable) LSE.
+    ``return_lse=True`` also returns the (non-differentiable) LSE. Runs through the custom ops
+    ``torch.ops.cute_attn.fwd`` / ``bwd`` (cute_attn/ops.py), so ``torch.compile(fullgraph=True)``
+    traces it without graph breaks.
     """
-    out, lse = FlashAttnFunc.apply(q, k, v, causal, softmax_scale, deterministic)
+    from cute_attn import ops
+
+    # the arguments the op schema would otherwise reject with its own messages
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_kind(name, t)
+    for name, flag in (("causal", causal), ("deterministic", deterministic)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    _softmax_scale(softmax_scale, q.shape[3])
+    out, lse = ops.fwd(q, k, v, causal, None if softmax_scale is None else float(softmax_scale), deterministic)
     return (out, lse) if return_lse else out

@@ -1,0 +1,71 @@
+"""The custom ops behind flash_attn_func (cute_attn/ops.py) without a GPU: their fake
+implementations, the autograd formula and a torch.compile(fullgraph=True) capture (CPU)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cute_attn
+
+
+def fake_qkv(heads=8, heads_kv=2, seqlen_q=100, seqlen_k=90, d=64, requires_grad=True):
+    shapes = ((2, seqlen_q, heads, d), (2, seqlen_k, heads_kv, d), (2, seqlen_k, heads_kv, d))
+    return [torch.randn(s, dtype=torch.bfloat16, requires_grad=requires_grad) for s in shapes]
+
+
+def test_fake_forward_and_backward_shapes():
+    with FakeTensorMode():
+        q, k, v = fake_qkv()
+        out, lse = cute_attn.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+        assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32 and not lse.requires_grad
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        assert dk.dtype == torch.bfloat16
+        # the backward op alone
+        dq, dk, dv = torch.ops.cute_attn.bwd(out, q, k, v, out, lse, True, None, True)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_only_inputs_that_need_grad_get_one():
+    with FakeTensorMode():
+        q, k, v = fake_qkv()
+        k.requires_grad_(False)
+        out = cute_attn.flash_attn_func(q, k, v)
+        out.sum().backward()
+        assert q.grad is not None and v.grad is not None and k.grad is None
+
+
+@pytest.mark.parametrize("entry", ["flash_attn_func", "forward"])
+def test_compile_fullgraph_captures_one_op(entry):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def attention(q, k, v):
+        if entry == "forward":
+            return cute_attn.forward(q, k, v, causal=True) * 2
+        return cute_attn.flash_attn_func(q, k, v, causal=True, softmax_scale=0.1) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend=backend, fullgraph=True)
+    q, k, v = fake_qkv(requires_grad=False)
+    # tracing needs no GPU; running the captured graph reaches the real op's device check
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        compiled(q, k, v)
+    assert len(graphs) == 1
+    assert graphs[0].code.count("torch.ops.cute_attn.fwd.default") == 1
+
+
+def test_flash_attn_func_checks_arguments_before_the_op():
+    q, k, v = fake_qkv(requires_grad=False)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cute_attn.flash_attn_func(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cute_attn.flash_attn_func(q, k, v, deterministic="yes")
+    with pytest.raises(TypeError, match="softmax_scale must be a float"):
+        cute_attn.flash_attn_func(q, k, v, softmax_scale="0.1")
+    with pytest.raises(TypeError, match="v must be a torch.Tensor"):
+        cute_attn.flash_attn_func(q, k, v.tolist())
