@@ -2,13 +2,19 @@
 
 A compiled kernel depends only on its key (kernel family, GPU target, dtype, padded head dim,
 causal, whether the head dim is padded, traits). Batch, sequence lengths, heads, strides and
-pointers are run-time values, so a new shape never recompiles.
+pointers are run-time values, so a new shape never recompiles. The SM90 forward's length tiers
+(traits.SM90_FORWARD) are separate keys, so the first use of one builds all tiers of its
+configuration together (``forward_tier_siblings``): a later length never compiles.
 
 Kernels are compiled from fake tensors (no GPU needed) with the TVM-FFI calling convention: the
 compiled function takes torch tensors directly (zero-copy, via DLPack) and launches on torch's
 current CUDA stream. Caches:
 - in memory, per process, safe to use from several threads (one compile per key);
-- on disk when ``CUTE_ATTN_CACHE_DIR`` is set: exported objects, loaded instead of recompiled.
+- on disk (``default_cache_dir``: ``$CUTE_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/cute_attn`` or
+  ``~/.cache/cute_attn``; ``CUTE_ATTN_CACHE_DIR=`` (empty) turns it off): exported objects, keyed by
+  the key, the kernel sources and the DSL and TVM-FFI versions, loaded instead of recompiled.
+  Entries are written atomically under a per-entry file lock (several processes filling one
+  directory compile each kernel once); an entry that fails to load is rebuilt and replaced.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import hashlib
 import os
 import pickle
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -344,38 +351,67 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
                     target=key.target, keep_artifacts=keep_artifacts, ptxas_options=ptxas)
 
 
+def default_cache_dir() -> str | None:
+    """The disk cache directory: ``$CUTE_ATTN_CACHE_DIR`` when set (empty: no disk cache), else
+    ``$XDG_CACHE_HOME/cute_attn``, else ``~/.cache/cute_attn``."""
+    env = os.environ.get("CUTE_ATTN_CACHE_DIR")
+    if env is not None:
+        return env or None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cute_attn")
+
+
 class KernelCache:
     """Compiled kernels by key: in memory, optionally backed by a directory of exported objects.
 
     Thread-safe: concurrent first calls for one key compile it once; other keys proceed in parallel.
+    Process-safe on disk: a per-entry lock file makes concurrent processes compile a key once (the
+    others then load it), and entries are renamed into place complete.
     For keys with several candidate traits, ``chosen(key)`` tells which one was compiled (kept in a
-    small file next to the exported object, so it survives the disk cache).
+    small file next to the exported object, so it survives the disk cache). ``group(key)`` lists
+    keys to build together with ``key`` on its first use. ``builds`` / ``loads`` count compiles and
+    disk loads (for tests and tools).
     """
 
     EXPORT_NAME = "kernel"
 
-    def __init__(self, build: Callable[[Any], Any], disk_dir: str | None = None):
+    def __init__(self, build: Callable[[Any], Any], disk_dir: str | None = None,
+                 group: Callable[[Any], Iterable[Any]] | None = None):
         self._build = build
+        self._group = group
         self._fns: dict[Any, Any] = {}
         self._chosen: dict[Any, Any] = {}
         self._lock = threading.Lock()
         self._key_locks: dict[Any, threading.Lock] = {}
         self._disk = Path(disk_dir) if disk_dir else None
+        self.builds = 0
+        self.loads = 0
 
     def get(self, key):
         fn = self._fns.get(key)
         if fn is not None:
             return fn
+        fn = self._get_one(key)
+        for other in self._group(key) if self._group else ():
+            if other != key:
+                self._get_one(other)
+        return fn
+
+    def _get_one(self, key):
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:
             fn = self._fns.get(key)
             if fn is None:
-                fn = self._load(key)
-                if fn is None:
-                    fn = self._build(key)
-                    self._chosen[key] = getattr(fn, "traits", None)
-                    self._store(key, fn)
+                with self._disk_lock(key):
+                    fn = self._load(key)
+                    if fn is None:
+                        fn = self._build(key)
+                        self.builds += 1
+                        self._chosen[key] = getattr(fn, "traits", None)
+                        self._store(key, fn)
+                    else:
+                        self.loads += 1
                 self._fns[key] = fn
         return fn
 
@@ -396,6 +432,28 @@ class KernelCache:
         digest = hashlib.sha256(pickle.dumps((key, _source_fingerprint()))).hexdigest()[:32]
         return self._disk / f"{digest}.o"
 
+    @contextmanager
+    def _disk_lock(self, key):
+        """An exclusive lock on this key's entry across processes (POSIX ``flock``; none elsewhere
+        or where the directory cannot be written)."""
+        handle = None
+        if self._disk is not None:
+            try:
+                import fcntl
+
+                self._disk.mkdir(parents=True, exist_ok=True)
+                handle = open(self._path(key).with_suffix(".lock"), "a")
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            except (ImportError, OSError):
+                if handle is not None:
+                    handle.close()
+                handle = None
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.close()  # releases the lock
+
     def _load(self, key):
         if self._disk is None or not self._path(key).exists():
             return None
@@ -404,25 +462,27 @@ class KernelCache:
         try:
             module = cute.runtime.load_module(str(self._path(key)), enable_tvm_ffi=True)
             fn = getattr(module, self.EXPORT_NAME)
-            index = int(self._path(key).with_suffix(".choice").read_text() or 0)
+            index = int(self._path(key).with_suffix(".choice").read_text())
             candidates = getattr(key, "candidates", None)
             self._chosen[key] = candidates[index] if candidates else None
             return fn
-        except Exception:  # a stale or truncated entry is a miss: recompile and replace it
+        except Exception:  # a stale, truncated or foreign entry is a miss: recompile and replace it
             return None
 
     def _store(self, key, fn) -> None:
         if self._disk is None:
             return
-        self._disk.mkdir(parents=True, exist_ok=True)
         path = self._path(key)
-        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp.o")
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
+            self._disk.mkdir(parents=True, exist_ok=True)
             chosen, candidates = getattr(fn, "traits", None), getattr(key, "candidates", None)
-            path.with_suffix(".choice").write_text(str(candidates.index(chosen) if candidates else 0))
+            # the choice first: a reader that finds the object finds its choice complete too
+            tmp.write_text(str(candidates.index(chosen) if candidates else 0))
+            os.replace(tmp, path.with_suffix(".choice"))
             fn.export_to_c(object_file_path=str(tmp), function_name=self.EXPORT_NAME)
             os.replace(tmp, path)
-        except Exception:
+        except Exception:  # a read-only or full disk costs the cache, never the call
             tmp.unlink(missing_ok=True)
 
 
@@ -436,7 +496,13 @@ def _source_fingerprint() -> str:
     if _FINGERPRINT is None:
         import cutlass
 
-        h = hashlib.sha256(str(getattr(cutlass, "__version__", "")).encode())
+        try:
+            import tvm_ffi
+
+            ffi_version = getattr(tvm_ffi, "__version__", "")
+        except ImportError:
+            ffi_version = ""
+        h = hashlib.sha256(f"{getattr(cutlass, '__version__', '')} {ffi_version}".encode())
         root = Path(__file__).parent
         for path in sorted([Path(__file__), *(root / "kernels").rglob("*.py")]):
             h.update(path.relative_to(root).as_posix().encode())
@@ -452,8 +518,21 @@ def build(key, keep_artifacts: bool = False):
     return build_backward(key, keep_artifacts)
 
 
-forward_cache = KernelCache(build_forward, os.environ.get("CUTE_ATTN_CACHE_DIR"))
-backward_cache = KernelCache(build_backward, os.environ.get("CUTE_ATTN_CACHE_DIR"))
+def forward_tier_siblings(key: ForwardKey) -> list[ForwardKey]:
+    """The keys of every SM90 length tier of ``key``'s configuration, ``key`` among them, when
+    ``key`` is one of the table's tiers (else just ``key``: an explicit-traits key has no siblings)."""
+    if key.kernel != "sm90":
+        return [key]
+    siblings = [
+        ForwardKey(key.kernel, key.target, key.dtype, key.head_dim, key.causal, key.check_hdim,
+                   sm90_forward_traits(key.head_dim, key.causal, None, tier))
+        for tier in sm90_seqlen_tiers(key.head_dim, key.causal)
+    ]
+    return siblings if key in siblings else [key]
+
+
+forward_cache = KernelCache(build_forward, default_cache_dir(), group=forward_tier_siblings)
+backward_cache = KernelCache(build_backward, default_cache_dir())
 
 
 def forward_variants(

@@ -89,16 +89,19 @@ def test_forward_runs_on_current_stream():
     check_close("out", out, ref, same, 1e-5, "side stream")
 
 
-def test_new_shapes_do_not_recompile():
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False), (128, True)])
+def test_new_shapes_do_not_recompile(head_dim, causal):
+    """Nor a new SM90 length tier: the first call builds (or loads) every tier of its configuration."""
     from cute_attn import compile as compile_mod
 
-    q, k, v = random_qkv(1, 64, 64, 2, 2, 64, torch.bfloat16)
-    cute_attn.forward(q, k, v)
-    before = len(compile_mod.forward_cache._fns)
-    for seqlen in (65, 300, 1025):
-        q, k, v = random_qkv(3, seqlen, seqlen + 7, 4, 2, 64, torch.bfloat16)
-        cute_attn.forward(q, k, v)
-    assert len(compile_mod.forward_cache._fns) == before
+    cache = compile_mod.forward_cache
+    q, k, v = random_qkv(1, 64, 64, 2, 2, head_dim, torch.bfloat16)
+    cute_attn.forward(q, k, v, causal=causal)
+    before = (len(cache._fns), cache.builds, cache.loads)
+    for seqlen in (65, 300, 1025, 2049, 4097, 8193):
+        q, k, v = random_qkv(2, seqlen, seqlen + 7, 4, 2, head_dim, torch.bfloat16)
+        cute_attn.forward(q, k, v, causal=causal)
+    assert (len(cache._fns), cache.builds, cache.loads) == before
 
 
 @pytest.mark.parametrize("causal", [False, True])

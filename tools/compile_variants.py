@@ -46,6 +46,7 @@ def _compile_one(key, out_dir, cache_dir):
 
 def main(argv=None):
     from cute_attn.compile import DTYPES, TARGETS, backward_variants, forward_key, forward_variants
+    from cute_attn.prebuild import show_progress
     from cute_attn.traits import HEAD_DIMS, parse_traits
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,25 +92,17 @@ def main(argv=None):
             for i, fut in enumerate(cf.as_completed(futures), 1):
                 rep, seconds = fut.result()
                 reports.append(rep)
-                _progress(i, len(keys), rep.name, seconds, t0)
+                show_progress(i, len(keys), rep.name, seconds, t0)
     else:
         for i, key in enumerate(keys, 1):
             rep, seconds = _compile_one(key, args.out, args.cache_dir)
             reports.append(rep)
-            _progress(i, len(keys), rep.name, seconds, t0)
+            show_progress(i, len(keys), rep.name, seconds, t0)
     sys.stderr.write("\n")
     from cute_attn.artifacts import format_table
 
     reports.sort(key=lambda r: r.name)
     print(format_table(reports))
-
-
-def _progress(done, total, name, seconds, t0):
-    width = 30
-    filled = width * done // total
-    bar = "#" * filled + "." * (width - filled)
-    sys.stderr.write(f"\r[{bar}] {done}/{total} {time.time() - t0:6.1f}s  {name} ({seconds:.1f}s)\x1b[K")
-    sys.stderr.flush()
 
 
 if __name__ == "__main__":
