@@ -6,10 +6,13 @@
     out = cute_attn.flash_attn_func(q, k, v, causal=True); out.sum().backward()
 """
 
+from cute_attn import ops  # noqa: F401  registers torch.ops.cute_attn.fwd / bwd
 from cute_attn.dispatch import force_arch
+from cute_attn.integrations import sdpa as _sdpa
 from cute_attn.interface import backward, flash_attn_func, forward
-from cute_attn import ops  # noqa: E402,F401  registers torch.ops.cute_attn.fwd / bwd
 from cute_attn.reference import attention_reference
+
+_sdpa.register()  # torch.nn.attention.activate_flash_attention_impl("cute_attn"); not activated here
 
 __version__ = "0.1.0"
 __all__ = ["forward", "backward", "flash_attn_func", "force_arch", "attention_reference", "__version__"]
