@@ -59,3 +59,37 @@ def test_declined_calls_run_the_original_kernel():
     assert sdpa._with_fallback(lambda *a, **k: "ours", Original(), "op")("keys", 1) == "ours"
     with pytest.raises(RuntimeError, match="dropout"):
         sdpa._with_fallback(declines, None, "op")("keys", 1)
+
+
+def tiny_llama(attn_implementation):
+    transformers = pytest.importorskip("transformers")
+    import cute_attn.integrations.transformers  # noqa: F401  registers "cute_attn"
+
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation)
+
+
+def test_transformers_registration_and_fallback_on_cpu():
+    """On the CPU every call goes to transformers' SDPA path: same logits as "sdpa", and the
+    decisions that send a call there."""
+    from cute_attn.integrations import transformers as integration
+
+    model, reference = tiny_llama("cute_attn"), tiny_llama("sdpa")
+    assert model.config._attn_implementation == "cute_attn"
+    ids = torch.randint(0, 97, (2, 17))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, reference(ids).logits)
+    mask = torch.ones(2, 17, dtype=torch.long)
+    mask[0, :5] = 0  # left padding: an explicit mask
+    with torch.no_grad():
+        assert torch.allclose(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
+    q = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    decide = integration.declined
+    assert decide(None, q, k, torch.ones(1, 1, 8, 8, dtype=torch.bool), 0.0, {}) == "an explicit attention mask"
+    assert decide(None, q, k, None, 0.1, {}) == "attention dropout"
+    assert decide(None, q, k, None, 0.0, {"softcap": 30.0}) == "softcap"
+    assert decide(None, q, k, None, 0.0, {"sliding_window": 4096}) == "sliding_window"
+    assert decide(None, q, k, None, 0.0, {}) == "not a CUDA fp16/bf16 tensor"
