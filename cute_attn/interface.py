@@ -112,6 +112,18 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
 
         out, lse = ops.fwd(q, k, v, causal, softmax_scale, False)
         return (out, lse) if return_lse else out
+    # a call like an earlier valid one (same types, dtypes, devices, shapes, strides and options)
+    # skips the checks and the kernel lookup; only its pointers' alignment is new
+    tensors = (q, k, v) if out is None else (q, k, v, out)
+    signature = _signature(tensors, (causal, softmax_scale))
+    launch = _FORWARD_LAUNCHES.get(signature)
+    if launch is not None and _aligned(tensors):
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+        launch(q, k, v, out, lse)
+        return (out, lse) if return_lse else out
+
     _check_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -129,30 +141,64 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
         out.zero_()
         lse.fill_(math.inf)
     else:
-        _launch_forward(q, k, v, out, lse, causal, scale)
+        launch = _forward_launcher(q, k, causal, scale)
+        launch(q, k, v, out, lse)
+        if signature is not None:
+            if len(_FORWARD_LAUNCHES) >= _MAX_LAUNCHES:
+                _FORWARD_LAUNCHES.clear()
+            _FORWARD_LAUNCHES[signature] = launch
     return (out, lse) if return_lse else out
+
+
+# launches of validated argument signatures (``forward``'s fast path); cleared when full
+_FORWARD_LAUNCHES: dict = {}
+_MAX_LAUNCHES = 4096
+
+
+def _signature(tensors, options) -> tuple | None:
+    """What validation and the kernel choice depend on, apart from the pointers (None: not tensors).
+    Options carry their types: causal=1 must not pass for causal=True."""
+    try:
+        return (tuple((t.__class__, t.dtype, t.device, t.shape, t.stride()) for t in tensors)
+                + tuple((o.__class__, o) for o in options))
+    except AttributeError:
+        return None
+
+
+def _aligned(tensors) -> bool:
+    return all(t.data_ptr() % _ALIGN_BYTES == 0 for t in tensors)
 
 
 def _launch_forward(q, k, v, out, lse, causal: bool, scale: float, traits=None) -> None:
     """Launch on validated tensors. ``traits`` overrides the table (tools/bench.py --sweep)."""
+    _forward_launcher(q, k, causal, scale, traits)(q, k, v, out, lse)
+
+
+def _forward_launcher(q, k, causal: bool, scale: float, traits=None):
+    """The launch for validated tensors shaped like q, k: a function of (q, k, v, out, lse)."""
     plan = dispatch.plan_for_device(q.device)
     key = compile_mod.forward_key(
         plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], causal, plan.smem_capacity, traits=traits,
         kernel=plan.kernel, seqlen=sm90_tier_seqlen(q.shape[1], k.shape[1], causal),
     )
     kernel = compile_mod.forward_cache.get(key)
-    with torch.cuda.device(q.device):
-        if key.kernel == "sm90":
-            # causal tile order: a persistent grid goes head by head, one CTA per tile in L2-sized
-            # sections of heads (kernels/tile_scheduler.py)
-            section = 1
-            if causal and not compile_mod.forward_cache.chosen(key).persistent:
-                from cute_attn.kernels.tile_scheduler import heads_per_section
+    device, scale_log2 = q.device, scale * math.log2(math.e)
+    extra = ()
+    if key.kernel == "sm90":
+        # causal tile order: a persistent grid goes head by head, one CTA per tile in L2-sized
+        # sections of heads (kernels/tile_scheduler.py)
+        section = 1
+        if causal and not compile_mod.forward_cache.chosen(key).persistent:
+            from cute_attn.kernels.tile_scheduler import heads_per_section
 
-                section = heads_per_section(k.shape[1], key.head_dim, q.element_size())
-            kernel(q, k, v, out, lse, scale * math.log2(math.e), plan.num_sms, section)
-        else:
-            kernel(q, k, v, out, lse, scale * math.log2(math.e))
+            section = heads_per_section(k.shape[1], key.head_dim, q.element_size())
+        extra = (plan.num_sms, section)
+
+    def launch(q, k, v, out, lse):
+        with torch.cuda.device(device):
+            kernel(q, k, v, out, lse, scale_log2, *extra)
+
+    return launch
 
 
 # ---------------------------------------------------------------------------- backward

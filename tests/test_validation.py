@@ -147,3 +147,25 @@ def test_flash_attn_func_validates():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="multiple of k/v heads"):
         cute_attn.flash_attn_func(q, k[:, :, :3], v[:, :, :3])
+
+
+def test_repeated_calls_skip_only_what_cannot_change(monkeypatch):
+    """forward's fast path: a call like an earlier valid one reuses its launch, but a misaligned
+    pointer, another option type or other strides still meet the checks."""
+    from cute_attn import interface
+
+    launched = []
+    monkeypatch.setattr(interface, "_check_cuda", lambda name, t: None)
+    monkeypatch.setattr(interface, "_forward_launcher",
+                        lambda q, k, causal, scale, traits=None: lambda *args: launched.append(args))
+    monkeypatch.setattr(interface, "_FORWARD_LAUNCHES", {})
+    q, k, v = qkv()
+    cute_attn.forward(q, k, v, causal=True)
+    cute_attn.forward(*qkv(), causal=True)  # new tensors, same signature: the stored launch
+    assert len(launched) == 2 and len(interface._FORWARD_LAUNCHES) == 1
+    raises(TypeError, "causal must be a bool", q, k, v, causal=1)
+    storage = torch.randn(2 * 16 * 4 * 64 + 1, dtype=q.dtype)
+    shifted = storage[1:].view(q.shape)  # same shape and strides, pointer off by 2 bytes
+    raises(ValueError, "q's data pointer must be 16-byte aligned", shifted, k, v, causal=True)
+    raises(ValueError, "strides", torch.randn(2, 16, 4, 68, dtype=q.dtype)[..., :64], k, v, causal=True)
+    assert len(launched) == 2
