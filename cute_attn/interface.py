@@ -235,6 +235,18 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
         from cute_attn import ops
 
         return ops.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+    given = tuple(t for t in (dq, dk, dv) if t is not None)
+    tensors = (dout, q, k, v, out, lse) + given
+    # (dq, dk, dv) given or not, in the signature: which of them a fast call must allocate
+    signature = _signature(tensors, (causal, softmax_scale, deterministic, dq is None, dk is None, dv is None))
+    launch = _BACKWARD_LAUNCHES.get(signature)
+    if launch is not None and _aligned(tensors):
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+        launch(dout, q, k, v, out, lse, dq, dk, dv)
+        return dq, dk, dv
+
     _check_qkv(q, k, v)
     _check_like("out", out, q)
     _check_like("dout", dout, q)
@@ -254,11 +266,26 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     if q.numel() == 0 or k.numel() == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv
-    _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic)
+    launch = _backward_launcher(q, k, causal, scale, deterministic)
+    launch(dout, q, k, v, out, lse, dq, dk, dv)
+    if signature is not None:
+        if len(_BACKWARD_LAUNCHES) >= _MAX_LAUNCHES:
+            _BACKWARD_LAUNCHES.clear()
+        _BACKWARD_LAUNCHES[signature] = launch
     return dq, dk, dv
 
 
+_BACKWARD_LAUNCHES: dict = {}  # as _FORWARD_LAUNCHES, for ``backward``
+
+
 def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, traits=None) -> None:
+    """Launch on validated tensors. ``traits`` overrides the table (tools/bench.py --bwd-sweep)."""
+    _backward_launcher(q, k, causal, scale, deterministic, traits)(dout, q, k, v, out, lse, dq, dk, dv)
+
+
+def _backward_launcher(q, k, causal, scale, deterministic, traits=None):
+    """The pre/main/post launches for validated tensors shaped like q, k: a function of
+    (dout, q, k, v, out, lse, dq, dk, dv)."""
     from cute_attn.kernels.sm80.backward import ROW_PAD
 
     plan = dispatch.plan_for_device(q.device)
@@ -276,19 +303,25 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determi
     batch, seqlen_q, heads, _ = q.shape
     pad = math.lcm(ROW_PAD, chosen.tile_m)  # whole Q blocks of the main kernel and of the preprocess
     seqlen_q_pad = -(-seqlen_q // pad) * pad
-    f32 = dict(dtype=torch.float32, device=q.device)
-    lse_log2 = torch.empty((batch, heads, seqlen_q_pad), **f32)
-    delta = torch.empty((batch, heads, seqlen_q_pad), **f32)
-    dq_accum = torch.empty((batch, heads, seqlen_q_pad, main.head_dim), **f32)  # zeroed by the preprocess
-    if deterministic:
-        sem = torch.zeros((batch, heads, seqlen_q_pad // chosen.tile_m), dtype=torch.int32, device=q.device)
-    else:
-        sem = torch.empty((1, 1, 1), dtype=torch.int32, device=q.device)
+    device, head_dim, tile_m = q.device, main.head_dim, chosen.tile_m
+    f32 = dict(dtype=torch.float32, device=device)
     kernels = cache.get(pre), cache.get(main), cache.get(post)
-    with torch.cuda.device(q.device):
-        kernels[0](out, dout, lse, lse_log2, delta, dq_accum)
-        kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, sem, scale, scale * math.log2(math.e))
-        kernels[2](dq_accum, dq, scale)
+    scale_log2 = scale * math.log2(math.e)
+
+    def launch(dout, q, k, v, out, lse, dq, dk, dv):
+        lse_log2 = torch.empty((batch, heads, seqlen_q_pad), **f32)
+        delta = torch.empty((batch, heads, seqlen_q_pad), **f32)
+        dq_accum = torch.empty((batch, heads, seqlen_q_pad, head_dim), **f32)  # zeroed by the preprocess
+        if deterministic:
+            sem = torch.zeros((batch, heads, seqlen_q_pad // tile_m), dtype=torch.int32, device=device)
+        else:
+            sem = torch.empty((1, 1, 1), dtype=torch.int32, device=device)
+        with torch.cuda.device(device):
+            kernels[0](out, dout, lse, lse_log2, delta, dq_accum)
+            kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, sem, scale, scale_log2)
+            kernels[2](dq_accum, dq, scale)
+
+    return launch
 
 
 # ---------------------------------------------------------------------------- autograd

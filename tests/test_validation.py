@@ -169,3 +169,29 @@ def test_repeated_calls_skip_only_what_cannot_change(monkeypatch):
     raises(ValueError, "q's data pointer must be 16-byte aligned", shifted, k, v, causal=True)
     raises(ValueError, "strides", torch.randn(2, 16, 4, 68, dtype=q.dtype)[..., :64], k, v, causal=True)
     assert len(launched) == 2
+
+
+def test_repeated_backward_calls_skip_only_what_cannot_change(monkeypatch):
+    from cute_attn import interface
+
+    launched = []
+    monkeypatch.setattr(interface, "_check_cuda", lambda name, t: None)
+    monkeypatch.setattr(interface, "_backward_launcher",
+                        lambda q, k, causal, scale, det, traits=None: lambda *args: launched.append(args))
+    monkeypatch.setattr(interface, "_BACKWARD_LAUNCHES", {})
+
+    def call(**overrides):
+        a = bwd_args(**overrides)
+        return cute_attn.backward(a.pop("dout"), a.pop("q"), a.pop("k"), a.pop("v"), a.pop("out"), a.pop("lse"), **a)
+
+    dq, dk, dv = call(causal=True)
+    call(causal=True)  # the stored launch, fresh gradient buffers
+    assert len(launched) == 2 and len(interface._BACKWARD_LAUNCHES) == 1
+    assert launched[1][6] is not dq and launched[1][6].shape == dq.shape
+    bwd_raises(TypeError, "deterministic must be a bool", causal=True, deterministic=0)
+    bwd_raises(TypeError, "lse must be float32", causal=True, lse=torch.randn(2, 4, 16, dtype=torch.float16))
+    q = bwd_args()["q"]
+    call(causal=True, dk=torch.empty(2, 16, 4, 64, dtype=q.dtype))  # dk given: another signature
+    assert len(interface._BACKWARD_LAUNCHES) == 2
+    bwd_raises(ValueError, "dk must have shape", causal=True, dk=torch.empty(2, 16, 2, 64, dtype=q.dtype))
+    assert len(launched) == 3
