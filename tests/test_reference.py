@@ -113,3 +113,162 @@ def test_backward_reference_matches_autograd(causal, seqlen_q, seqlen_k, heads, 
     unrounded = attention_backward_reference(q16, k16, v16, dout, causal, 0.37, round_out=False)
     torch.testing.assert_close(rounded[2], unrounded[2], atol=0, rtol=0)
     assert not torch.equal(rounded[0], unrounded[0])
+
+
+OPTIONS = [  # FlashAttention's window / softcap / ALiBi options, alone and together
+    dict(window_size=(2, -1)),
+    dict(window_size=(3, 1)),
+    dict(window_size=(-1, 0)),
+    dict(window_size=(0, 0)),
+    dict(softcap=1.5),
+    dict(alibi_slopes=torch.tensor([0.5, 0.125, 0.25, 1.0])),
+    dict(window_size=(4, 2), softcap=2.0, alibi_slopes=torch.tensor([[0.3, 0.1, 0.2, 0.4], [0.6, 0.7, 0.8, 0.9]])),
+]
+
+
+def naive_with_options(q, k, v, causal, scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """One query and key at a time, straight from the option definitions."""
+    batch, seqlen_q, heads, _ = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    left, right = window_size
+    right = 0 if causal else right
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((batch, heads, seqlen_q), math.inf, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            hk = h // (heads // heads_kv)
+            for i in range(seqlen_q):
+                d = i + seqlen_k - seqlen_q
+                keys = [j for j in range(seqlen_k) if (left < 0 or j >= d - left) and (right < 0 or j <= d + right)]
+                if not keys:
+                    continue
+                s = []
+                for j in keys:
+                    x = (q[b, i, h].double() * k[b, j, hk].double()).sum() * scale
+                    if softcap > 0:
+                        x = softcap * torch.tanh(x / softcap)
+                    if alibi_slopes is not None:
+                        slope = alibi_slopes[h] if alibi_slopes.dim() == 1 else alibi_slopes[b, h]
+                        x = x - float(slope) * abs(d - j)
+                    s.append(x)
+                s = torch.stack(s)
+                lse[b, h, i] = torch.logsumexp(s, 0)
+                p = torch.exp(s - lse[b, h, i])
+                out[b, i, h] = sum(p[n] * v[b, j, hk].double() for n, j in enumerate(keys))
+    return out, lse
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(6, 6), (7, 3), (3, 9)])
+def test_reference_options_match_naive_loop(options, causal, seqlen_q, seqlen_k):
+    torch.manual_seed(seqlen_q * 100 + seqlen_k)
+    q = torch.randn(2, seqlen_q, 4, 8)
+    k, v = torch.randn(2, seqlen_k, 2, 8), torch.randn(2, seqlen_k, 2, 8)
+    out, lse = attention_reference(q, k, v, causal, 0.37, **options)
+    ref_out, ref_lse = naive_with_options(q, k, v, causal, 0.37, **options)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = ~torch.isinf(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o))
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_reference_options_match_autograd(options, causal):
+    from cute_attn.reference import attention_backward_reference
+
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(2, s, h, 8, dtype=torch.float64, requires_grad=True)
+               for s, h in ((7, 4), (9, 2), (9, 2)))
+    dout = torch.randn(2, 7, 4, 8, dtype=torch.float64)
+    out, _ = attention_reference(q, k, v, causal, 0.37, compute_dtype=torch.float64, **options)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    exact = attention_backward_reference(q.detach(), k.detach(), v.detach(), dout, causal, 0.37, **options)
+    for got, want in zip(exact, grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_varlen_reference_matches_each_sequence():
+    from cute_attn.reference import attention_varlen_reference
+
+    torch.manual_seed(3)
+    lens_q, lens_k = [5, 0, 1, 9], [5, 3, 7, 2]  # an empty query sequence, more queries than keys
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 4, 8)
+    k, v = torch.randn(sum(lens_k), 2, 8), torch.randn(sum(lens_k), 2, 8)
+    slopes = torch.rand(4, 4)
+    out, lse = attention_varlen_reference(q, k, v, cu_q, cu_k, True, 0.3, window_size=(3, -1), alibi_slopes=slopes)
+    assert out.shape == q.shape and lse.shape == (4, sum(lens_q))
+    for b in range(4):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 == q0:
+            continue
+        ref_out, ref_lse = naive_with_options(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], True, 0.3,
+                                              window_size=(3, -1), alibi_slopes=slopes[b])
+        torch.testing.assert_close(out[q0:q1].double(), ref_out[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(torch.isinf(lse[:, q0:q1]), torch.isinf(ref_lse[0]))
+
+
+def visible_window(i, j, seqlen_q, seqlen_k, left, right):
+    d = i + seqlen_k - seqlen_q
+    return j < seqlen_k and (left is None or j >= d - left) and (right is None or j <= d + right)
+
+
+WINDOWS = [(None, None), (None, 0), (0, 0), (5, None), (5, 0), (100, 3), (200, 200), (0, None), (3, 130)]
+
+
+@pytest.mark.parametrize("left,right", WINDOWS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (129, 127), (700, 555)])
+@pytest.mark.parametrize("tile_m,tile_n", [(128, 64), (64, 128)])
+def test_window_block_ranges(left, right, seqlen_q, seqlen_k, tile_m, tile_n):
+    """Forward and backward block ranges under a sliding window, against every (query, key) pair:
+    skipped blocks hold no visible key, and blocks run without a mask are fully visible on the
+    sides they skip (the seqlen_k end is the last block's own mask)."""
+    args = (tile_m, tile_n, seqlen_q, seqlen_k)
+    num_m, num_n = (seqlen_q + tile_m - 1) // tile_m, (seqlen_k + tile_n - 1) // tile_n
+
+    def rows(m):
+        return range(m * tile_m, min((m + 1) * tile_m, seqlen_q))
+
+    def cols(n):
+        return range(n * tile_n, min((n + 1) * tile_n, seqlen_k))
+
+    def any_seen(m, n):
+        return any(visible_window(i, j, seqlen_q, seqlen_k, left, right) for i in rows(m) for j in cols(n))
+
+    def left_clear(m, n):  # no row of m has left a key of n behind
+        return left is None or all(j >= i + seqlen_k - seqlen_q - left for i in rows(m) for j in cols(n))
+
+    def right_clear(m, n):  # every key of n is at or before every row's right edge
+        return right is None or all(j <= i + seqlen_k - seqlen_q + right for i in rows(m) for j in cols(n))
+
+    for m in range(num_m):
+        n_min = block_info.n_block_min(m, *args, window_left=left)
+        n_max = block_info.n_block_max(m, *args, False, window_right=right)
+        n_left = block_info.n_block_left_mask_end(m, *args, window_left=left)
+        n_right = block_info.n_block_mask_start(m, *args, False, window_right=right)
+        for n in range(num_n):
+            if any_seen(m, n):
+                assert n_min <= n < n_max, (m, n)
+            if n >= n_left:
+                assert left_clear(m, n), (m, n)
+            if n < n_right:
+                assert right_clear(m, n), (m, n)
+        if any(any_seen(m, n) for n in range(num_n)):  # tight: the range's ends hold visible keys
+            assert any_seen(m, n_min) and any_seen(m, n_max - 1), (m, n_min, n_max)
+    for n in range(num_n):
+        m_min = block_info.m_block_min(n, *args, False, window_right=right)
+        m_max = block_info.m_block_max(n, *args, window_left=left)
+        m_right_end = block_info.m_block_mask_end(n, *args, False, window_right=right)
+        m_left_start = block_info.m_block_left_mask_start(n, *args, window_left=left)
+        for m in range(num_m):
+            if any_seen(m, n):
+                assert m_min <= m < m_max, (n, m)
+            if m >= m_right_end:
+                assert right_clear(m, n), (n, m)
+            if m < m_left_start:
+                assert left_clear(m, n), (n, m)
+        if any(any_seen(m, n) for m in range(num_m)):
+            assert any_seen(m_min, n) and any_seen(m_max - 1, n), (n, m_min, m_max)

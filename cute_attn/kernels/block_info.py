@@ -7,6 +7,12 @@ For a Q block [m*tile_m, (m+1)*tile_m) that means:
 - blocks below ``n_block_mask_start`` are fully visible: no mask at all.
 The same functions serve the backward (seen from a K/V block: which Q blocks touch it).
 
+A local (sliding-window) attention keeps, FlashAttention style, the keys j with
+i' - window_left <= j <= i' + window_right, i' = i + seqlen_k - seqlen_q; ``None`` leaves a side
+unbounded (a compile-time choice; the value itself may be a run-time integer), and causal means
+window_right = 0. The left side adds ``n_block_min`` / ``n_block_left_mask_end`` (forward) and
+``m_block_max`` / ``m_block_left_mask_start`` (backward).
+
 Written with plain operators plus ``cutlass.min``/``max`` so they trace inside kernels and also run
 on Python ints in the CPU tests.
 """
@@ -18,39 +24,86 @@ def _ceil_div(a, b):
     return (a + (b - 1)) // b
 
 
-def n_block_max(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool):
+def _right(causal: bool, window_right):
+    """The right window edge: 0 when causal, else ``window_right`` (None: unbounded)."""
+    return 0 if causal else window_right
+
+
+def n_block_max(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_right=None):
     """One past the last K/V block that Q block ``m_block`` sees (<= 0: it sees no key)."""
     n_max = _ceil_div(seqlen_k, tile_n)
-    if causal:
-        last_visible_key_plus_1 = (m_block + 1) * tile_m + seqlen_k - seqlen_q
+    right = _right(causal, window_right)
+    if right is not None:
+        last_visible_key_plus_1 = (m_block + 1) * tile_m + seqlen_k - seqlen_q + right
         n_max = cutlass.min(n_max, _ceil_div(cutlass.max(last_visible_key_plus_1, 0), tile_n))
     return n_max
 
 
-def n_block_mask_start(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool):
-    """First K/V block that needs a causal mask: blocks below it are fully visible to every row of
-    the Q block. (The seqlen_k boundary block is always the first one processed and is masked too.)"""
-    if causal:
-        first_row_last_key_plus_1 = m_block * tile_m + seqlen_k - seqlen_q + 1
+def n_block_mask_start(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_right=None):
+    """First K/V block that needs the causal (right-window) mask: blocks below it are fully visible
+    on that side to every row of the Q block. (The seqlen_k boundary block is always the first one
+    processed and is masked too.)"""
+    right = _right(causal, window_right)
+    if right is not None:
+        first_row_last_key_plus_1 = m_block * tile_m + seqlen_k - seqlen_q + right + 1
         return cutlass.max(first_row_last_key_plus_1, 0) // tile_n
     return n_block_max(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal)
 
 
-def m_block_min(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool):
+def n_block_min(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, window_left=None):
+    """First K/V block that Q block ``m_block`` sees (0 without a left window)."""
+    if window_left is None:
+        return 0
+    first_row_first_key = m_block * tile_m + seqlen_k - seqlen_q - window_left
+    return cutlass.max(first_row_first_key, 0) // tile_n
+
+
+def n_block_left_mask_end(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, window_left=None):
+    """K/V blocks in [n_block_min, n_block_left_mask_end) hold keys that some row of the Q block has
+    already left behind (left-window mask); from there on every row sees them on that side."""
+    if window_left is None:
+        return 0
+    last_row_first_key = (m_block + 1) * tile_m - 1 + seqlen_k - seqlen_q - window_left
+    return _ceil_div(cutlass.max(last_row_first_key, 0), tile_n)
+
+
+def m_block_min(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_right=None):
     """Backward: first Q block that sees any key of K/V block ``n_block``."""
-    if causal:
-        # row i sees key n*tile_n iff i >= n*tile_n - (seqlen_k - seqlen_q)
-        first_row = cutlass.max(n_block * tile_n - (seqlen_k - seqlen_q), 0)
+    right = _right(causal, window_right)
+    if right is not None:
+        # row i sees key n*tile_n iff i >= n*tile_n - (seqlen_k - seqlen_q) - right
+        first_row = cutlass.max(n_block * tile_n - (seqlen_k - seqlen_q) - right, 0)
         return first_row // tile_m
     return 0
 
 
-def m_block_mask_end(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool):
-    """Backward: Q blocks in [m_block_min, m_block_mask_end) cross the diagonal of K/V block
-    ``n_block`` and need the causal mask; later Q blocks see the whole K/V block."""
-    if causal:
-        # every row of a Q block sees the block's last key iff its first row >= last_key - offset
+def m_block_mask_end(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_right=None):
+    """Backward: Q blocks in [m_block_min, m_block_mask_end) cross the diagonal (right window edge)
+    of K/V block ``n_block`` and need the mask; later Q blocks see the whole K/V block on that side."""
+    right = _right(causal, window_right)
+    if right is not None:
+        # every row of a Q block sees the block's last key iff its first row >= last_key - offset - right
         last_key = (n_block + 1) * tile_n - 1
-        first_full_row = cutlass.max(last_key - (seqlen_k - seqlen_q), 0)
+        first_full_row = cutlass.max(last_key - (seqlen_k - seqlen_q) - right, 0)
         return _ceil_div(first_full_row, tile_m)
     return 0
+
+
+def m_block_max(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, window_left=None):
+    """Backward: one past the last Q block that sees any key of K/V block ``n_block``."""
+    num_m = _ceil_div(seqlen_q, tile_m)
+    if window_left is None:
+        return num_m
+    # row i sees key j iff i <= j - (seqlen_k - seqlen_q) + window_left; j = the block's last key
+    last_row_plus_1 = (n_block + 1) * tile_n - (seqlen_k - seqlen_q) + window_left
+    return cutlass.min(num_m, _ceil_div(cutlass.max(last_row_plus_1, 0), tile_m))
+
+
+def m_block_left_mask_start(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, window_left=None):
+    """Backward: Q blocks from here to ``m_block_max`` have rows that left some key of K/V block
+    ``n_block`` behind (left-window mask); earlier ones see its keys on that side."""
+    if window_left is None:
+        return _ceil_div(seqlen_q, tile_m)
+    # a Q block is clear iff its last row still sees the block's first key n*tile_n
+    clear_rows = n_block * tile_n - (seqlen_k - seqlen_q) + window_left + 1
+    return cutlass.max(clear_rows, 0) // tile_m
