@@ -162,3 +162,35 @@ def attention_varlen_reference(
                                    compute_dtype, alibi_slopes=sequence_slopes, **options)
         out[q0:q1], lse[:, q0:q1] = o[0], l[0]
     return out, lse
+
+
+def attention_block_backward_reference(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernels' contract: (dq, dk, dv) from given out and lse, which may come from a
+    larger attention (all keys of a ring, say): P = exp(S * scale - lse), D = rowsum(dO * out),
+    dS = P * (dP - D). For the out and lse of these q, k, v alone it is the plain backward; for a
+    slice of the keys it gives that slice's exact share. In q's dtype, computed in float64."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    group = heads // heads_kv
+    qd, dod, od = q.double(), dout.double(), out.double()
+    kd, vd = (t.double().repeat_interleave(group, dim=2) for t in (k, v))
+    scores, _ = _scores(qd, kd, scale, seqlen_q, seqlen_k, causal, (-1, -1), 0.0, None)
+    lse_d = lse.double().masked_fill(torch.isinf(lse), math.inf)[..., None]  # +inf rows: P = 0
+    probs = torch.exp(scores - lse_d).nan_to_num(0.0)
+    delta = (dod * od).sum(-1).transpose(1, 2)
+    dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dod, vd) - delta[..., None])
+    dq = torch.einsum("bhqk,bkhd->bqhd", dscores, kd) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", dscores, qd) * scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dod)
+    dk, dv = (t.view(batch, seqlen_k, heads_kv, group, head_dim).sum(3) for t in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,86 @@
+"""Ring attention (cute_attn/distributed.py) on the CPU: 2 and 3 processes over gloo, the torch
+reference in place of the kernels, against single-process attention, forward and backward."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cute_attn import distributed as cp
+from cute_attn.reference import attention_block_backward_reference, attention_reference
+
+
+def _reference_forward(q, k, v, causal, scale):
+    return attention_reference(q, k, v, causal, scale, compute_dtype=torch.float64)
+
+
+def _reference_backward(dout, q, k, v, out, lse, causal, scale, deterministic):
+    return attention_block_backward_reference(dout, q, k, v, out, lse, causal, scale)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, cases):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cp._local_forward, cp._local_backward = _reference_forward, _reference_backward
+    try:
+        for layout, causal, heads, heads_kv in cases:
+            torch.manual_seed(0)  # every rank builds the same full tensors
+            seqlen = 12 * world
+            q = torch.randn(2, seqlen, heads, 16, dtype=torch.float64, requires_grad=True)
+            k = torch.randn(2, seqlen, heads_kv, 16, dtype=torch.float64, requires_grad=True)
+            v = torch.randn(2, seqlen, heads_kv, 16, dtype=torch.float64, requires_grad=True)
+            dout = torch.randn(2, seqlen, heads, 16, dtype=torch.float64)
+            ref_out, ref_lse = attention_reference(q, k, v, causal, 0.3, compute_dtype=torch.float64)
+            ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+
+            shards = [cp.shard_sequence(t.detach(), layout=layout).requires_grad_() for t in (q, k, v)]
+            out, lse = cp.ring_flash_attn_func(*shards, causal=causal, softmax_scale=0.3, layout=layout,
+                                               return_lse=True)
+            grads = torch.autograd.grad(out, shards, cp.shard_sequence(dout, layout=layout))
+            case = f"world={world} {layout} causal={causal} heads={heads}/{heads_kv}"
+            torch.testing.assert_close(cp.gather_sequence(out, layout=layout), ref_out, msg=case)
+            torch.testing.assert_close(cp.gather_sequence(lse, layout=layout, dim=2), ref_lse, msg=case)
+            for name, got, want in zip("qkv", grads, ref_grads):
+                torch.testing.assert_close(cp.gather_sequence(got, layout=layout), want, msg=f"d{name} {case}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_equals_single_process_attention(world):
+    cases = [(layout, causal, heads, heads_kv) for layout in cp.LAYOUTS for causal in (False, True)
+             for heads, heads_kv in ((2, 2), (4, 2))]
+    mp.spawn(_worker, args=(world, _free_port(), cases), nprocs=world, join=True)
+
+
+def test_layouts_round_trip_and_argument_checks():
+    import tempfile
+
+    store = dist.FileStore(tempfile.mktemp(), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        x = torch.arange(2 * 8).view(2, 8)
+        for layout in cp.LAYOUTS:
+            assert torch.equal(cp.gather_sequence(cp.shard_sequence(x, layout=layout), layout=layout), x)
+        with pytest.raises(ValueError, match="multiple of 2"):
+            cp.shard_sequence(torch.zeros(1, 7), layout="zigzag")
+        with pytest.raises(ValueError, match="layout must be one of"):
+            cp.shard_sequence(x, layout="striped")
+        q = torch.zeros(1, 8, 2, 16)
+        with pytest.raises(NotImplementedError, match="window_size and softcap"):
+            cp.ring_flash_attn_func(q, q, q, window_size=(4, 0))
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            cp.ring_flash_attn_func(q, q, q, causal=1)
+        with pytest.raises(ValueError, match="equal lengths"):
+            cp.ring_flash_attn_func(q, q[:, :4], q[:, :4])
+    finally:
+        dist.destroy_process_group()

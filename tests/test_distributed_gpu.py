@@ -1,0 +1,61 @@
+"""Ring attention on 2 GPUs over NCCL (marker ``gpu``; needs 2 GPUs): forward and backward against
+single-GPU cute_attn on the gathered sequence, with the suite's error criterion."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, seqlen):
+    import cute_attn
+    from cute_attn import distributed as cp
+    from cute_attn.reference import attention_reference
+    from helpers import check_close
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        for head_dim in (64, 128):
+            for causal in (False, True):
+                for layout in cp.LAYOUTS:
+                    g = torch.Generator(device="cuda").manual_seed(head_dim + causal)  # same on every rank
+                    q, k, v = (torch.randn(1, seqlen, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                               for h in (8, 2, 2))
+                    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+                    shards = [cp.shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+                    out = cp.ring_flash_attn_func(*shards, causal=causal, layout=layout)
+                    grads = torch.autograd.grad(out, shards, cp.shard_sequence(dout, layout=layout))
+                    ring = [cp.gather_sequence(t, layout=layout) for t in (out, *grads)]
+
+                    full = [t.clone().requires_grad_() for t in (q, k, v)]
+                    single_out = cute_attn.flash_attn_func(*full, causal=causal)
+                    single = [single_out, *torch.autograd.grad(single_out, full, dout)]
+                    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+                    ref_out, _ = attention_reference(*ref_in, causal, compute_dtype=torch.float32)
+                    ref = [ref_out, *torch.autograd.grad(ref_out, ref_in, dout)]
+                    case = f"d{head_dim} causal={causal} {layout} S={seqlen}"
+                    for name, got, base, want in zip(("out", "dq", "dk", "dv"), ring, single, ref):
+                        check_close(name, got, want, base, 1e-4, case)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("seqlen", [4096])
+def test_ring_on_two_gpus_matches_one(seqlen):
+    mp.spawn(_worker, args=(2, _free_port(), seqlen), nprocs=2, join=True)
