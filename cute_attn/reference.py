@@ -122,6 +122,14 @@ def attention_backward_reference(
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
     if round_out:
         out = out.to(q.dtype).double()
+    return _flash_gradients(probs, out, qd, kd, vd, dod, scale, heads_kv, tanh)
+
+
+def _flash_gradients(probs, out, qd, kd, vd, dod, scale, heads_kv, tanh=None):
+    """FlashAttention's backward from P (batch, heads, seqlen_q, seqlen_k) and O, all float64, K/V
+    already repeated per query head: D = rowsum(dO * O), dS = P * (dP - D) (through the softcap's
+    tanh when given); dK and dV summed over each K/V head's group of query heads."""
+    batch, seqlen_k, heads, head_dim = kd.shape
     delta = (dod * out).sum(-1).transpose(1, 2)  # (batch, heads, seqlen_q)
     dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dod, vd) - delta[..., None])
     if tanh is not None:  # through softcap * tanh(s / softcap)
@@ -129,7 +137,7 @@ def attention_backward_reference(
     dq = torch.einsum("bhqk,bkhd->bqhd", dscores, kd) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", dscores, qd) * scale
     dv = torch.einsum("bhqk,bqhd->bkhd", probs, dod)
-    # K/V heads shared by a group of query heads collect the group's gradients
+    group = heads // heads_kv
     dk, dv = (t.view(batch, seqlen_k, heads_kv, group, head_dim).sum(3) for t in (dk, dv))
     return dq, dk, dv
 
@@ -187,10 +195,5 @@ def attention_block_backward_reference(
     scores, _ = _scores(qd, kd, scale, seqlen_q, seqlen_k, causal, (-1, -1), 0.0, None)
     lse_d = lse.double().masked_fill(torch.isinf(lse), math.inf)[..., None]  # +inf rows: P = 0
     probs = torch.exp(scores - lse_d).nan_to_num(0.0)
-    delta = (dod * od).sum(-1).transpose(1, 2)
-    dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dod, vd) - delta[..., None])
-    dq = torch.einsum("bhqk,bkhd->bqhd", dscores, kd) * scale
-    dk = torch.einsum("bhqk,bqhd->bkhd", dscores, qd) * scale
-    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dod)
-    dk, dv = (t.view(batch, seqlen_k, heads_kv, group, head_dim).sum(3) for t in (dk, dv))
+    dq, dk, dv = _flash_gradients(probs, od, qd, kd, vd, dod, scale, heads_kv)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
