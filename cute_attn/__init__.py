@@ -6,7 +6,7 @@
     out = cute_attn.flash_attn_func(q, k, v, causal=True); out.sum().backward()
 """
 
-from cute_attn import ops  # noqa: F401  registers torch.ops.cute_attn.fwd / bwd
+from cute_attn.integrations import custom_ops  # noqa: F401  registers torch.ops.cute_attn.fwd / bwd
 from cute_attn.dispatch import force_arch
 from cute_attn.integrations import sdpa as _sdpa
 from cute_attn.interface import backward, flash_attn_func, forward

@@ -107,8 +107,8 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     float32 in natural log (+inf for a query that sees no key; its out row is 0).
     Launches on torch's current CUDA stream; no host synchronisation.
     """
-    if torch.compiler.is_compiling() and out is None:  # traced as the custom op (cute_attn/ops.py)
-        from cute_attn import ops
+    if torch.compiler.is_compiling() and out is None:  # traced as the custom op (integrations/custom_ops.py)
+        from cute_attn.integrations import custom_ops as ops
 
         out, lse = ops.fwd(q, k, v, causal, softmax_scale, False)
         return (out, lse) if return_lse else out
@@ -232,7 +232,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     dk and dv are summed over the query heads that share each K/V head.
     """
     if torch.compiler.is_compiling() and dq is None and dk is None and dv is None:
-        from cute_attn import ops
+        from cute_attn.integrations import custom_ops as ops
 
         return ops.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
     given = tuple(t for t in (dq, dk, dv) if t is not None)
@@ -339,10 +339,10 @@ def flash_attn_func(q, k, v, *, causal: bool = False, softmax_scale: float | Non
 
     Memory stays linear in the sequence length: only q, k, v, out and lse are saved.
     ``return_lse=True`` also returns the (non-differentiable) LSE. Runs through the custom ops
-    ``torch.ops.cute_attn.fwd`` / ``bwd`` (cute_attn/ops.py), so ``torch.compile(fullgraph=True)``
+    ``torch.ops.cute_attn.fwd`` / ``bwd`` (integrations/custom_ops.py), so ``torch.compile(fullgraph=True)``
     traces it without graph breaks.
     """
-    from cute_attn import ops
+    from cute_attn.integrations import custom_ops as ops
 
     # the arguments the op schema would otherwise reject with its own messages
     for name, t in (("q", q), ("k", k), ("v", v)):

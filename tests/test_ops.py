@@ -1,4 +1,4 @@
-"""The custom ops behind flash_attn_func (cute_attn/ops.py) without a GPU: their fake
+"""The custom ops behind flash_attn_func (cute_attn/integrations/custom_ops.py) without a GPU: their fake
 implementations, the autograd formula and a torch.compile(fullgraph=True) capture (CPU)."""
 
 import pytest

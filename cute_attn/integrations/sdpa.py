@@ -174,8 +174,8 @@ def _sdpa_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_s
 def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                    return_debug_mask, **options):
     scale = options.pop("scale", None)
-    _require(unsupported_reason(query, key, value, is_causal, dropout_p, False, scale, cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k,
-                                return_debug_mask=return_debug_mask, **options))
+    _require(unsupported_reason(query, key, value, is_causal, dropout_p, False, scale, cum_seq_q=cum_seq_q,
+                                cum_seq_k=cum_seq_k, return_debug_mask=return_debug_mask, **options))
     out, lse = _forward(query, key, value, is_causal, scale)
     rng_state, unused = _rng_placeholders(query.device)
     return out, lse, rng_state, unused, torch.empty(0, dtype=query.dtype, device=query.device)
@@ -184,6 +184,6 @@ def _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropou
 def _flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                     dropout_p, is_causal, rng_state, unused, **options):
     scale = options.pop("scale", None)
-    _require(unsupported_reason(query, key, value, is_causal, dropout_p, False, scale, cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k,
-                                **options))
+    _require(unsupported_reason(query, key, value, is_causal, dropout_p, False, scale, cum_seq_q=cum_seq_q,
+                                cum_seq_k=cum_seq_k, **options))
     return _backward(grad_out, query, key, value, out, logsumexp, is_causal, scale)
