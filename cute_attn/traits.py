@@ -343,7 +343,7 @@ class Sm90BackwardTraits:
 # accumulators (tile_m / 2 fp32 each per thread) fit beside dK and dV (head_dim / 2 each); 64 rows
 # for larger head dims. Measured on H100 (docs/performance.md, 2026-11-23): d64 at 1.00-1.03x and
 # d128 at 0.95-0.98x FlashAttention-4 sustained; FA3's 80-row Q blocks for d128 non-causal (dQ
-# computed as dQ^T = K^T dS^T) ran ~10% slower here than 64 rows. d192/d256 have no entry: dK and
+# computed as dQ^T = K^T dS^T) ran slower here than 64 rows. d192/d256 have no entry: dK and
 # dV alone would take 192/256 registers per thread at 128 keys per CTA (FlashAttention-3 computes
 # them transposed with smaller K/V blocks), so they run the SM80 backward.
 _B = Sm90BackwardTraits

@@ -414,7 +414,7 @@ class FlashAttentionBackwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         # One loop body for every Q block, masked or not: a second, unmasked copy of the body
-        # (as the forward has) measured 2-5% slower here, the masks being one compare and select
+        # (as the forward has) measured slower here, the masks being one compare and select
         # per element against the ~100 cycles per element of the five GEMMs.
         for _ in cutlass.range(group, unroll=1):
             for i in cutlass.range(num_m, unroll=1):
@@ -441,7 +441,7 @@ class FlashAttentionBackwardSm90:
         acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         common.wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do_stage], zero_init=True, wait=-1)
         # the LSE and D of this thread's queries, read from shared memory where used: loading them
-        # into registers up front measured 0-3% slower (tile_m / 2 more live registers; d64 spills)
+        # into registers up front measured slower (tile_m / 2 more live registers; d64 spills)
         lse_log2 = self._per_query(thr_sdp, sLSE, q_stage)
         d = self._per_query(thr_sdp, sD, do_stage)
         warpgroup.wait_group(1)
