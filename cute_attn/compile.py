@@ -455,14 +455,15 @@ class KernelCache:
                 handle.close()  # releases the lock
 
     def _load(self, key):
-        if self._disk is None or not self._path(key).exists():
+        path = self._path(key) if self._disk is not None else None
+        if path is None or not path.exists():
             return None
         import cutlass.cute as cute
 
         try:
-            module = cute.runtime.load_module(str(self._path(key)), enable_tvm_ffi=True)
+            module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
             fn = getattr(module, self.EXPORT_NAME)
-            index = int(self._path(key).with_suffix(".choice").read_text())
+            index = int(path.with_suffix(".choice").read_text())
             candidates = getattr(key, "candidates", None)
             self._chosen[key] = candidates[index] if candidates else None
             return fn

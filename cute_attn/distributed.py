@@ -116,8 +116,9 @@ class _Ring:
     def __init__(self, group):
         self.group = group
         world, rank = _world(group)
-        self.next = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
-        self.prev = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+        # P2P ops address global ranks
+        global_rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.next, self.prev = global_rank((rank + 1) % world), global_rank((rank - 1) % world)
 
     def start(self, tensors):
         received = [torch.empty_like(t) for t in tensors]

@@ -24,11 +24,6 @@ import math
 import torch
 
 
-def causal_visible(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """(seqlen_q, seqlen_k) bool: True where query i may see key j (bottom-right aligned)."""
-    return visible_keys(seqlen_q, seqlen_k, True, device=device)
-
-
 def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-1, -1),
                  device=None) -> torch.Tensor:
     """(seqlen_q, seqlen_k) bool: True where query i may see key j (bottom-right aligned window)."""
