@@ -143,10 +143,7 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
     else:
         launch = _forward_launcher(q, k, causal, scale)
         launch(q, k, v, out, lse)
-        if signature is not None:
-            if len(_FORWARD_LAUNCHES) >= _MAX_LAUNCHES:
-                _FORWARD_LAUNCHES.clear()
-            _FORWARD_LAUNCHES[signature] = launch
+        _remember(_FORWARD_LAUNCHES, signature, launch)
     return (out, lse) if return_lse else out
 
 
@@ -163,6 +160,13 @@ def _signature(tensors, options) -> tuple | None:
                 + tuple((o.__class__, o) for o in options))
     except AttributeError:
         return None
+
+
+def _remember(launches: dict, signature, launch) -> None:
+    if signature is not None:
+        if len(launches) >= _MAX_LAUNCHES:
+            launches.clear()
+        launches[signature] = launch
 
 
 def _aligned(tensors) -> bool:
@@ -268,10 +272,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
         return dq, dk, dv
     launch = _backward_launcher(q, k, causal, scale, deterministic)
     launch(dout, q, k, v, out, lse, dq, dk, dv)
-    if signature is not None:
-        if len(_BACKWARD_LAUNCHES) >= _MAX_LAUNCHES:
-            _BACKWARD_LAUNCHES.clear()
-        _BACKWARD_LAUNCHES[signature] = launch
+    _remember(_BACKWARD_LAUNCHES, signature, launch)
     return dq, dk, dv
 
 
