@@ -19,6 +19,7 @@ current CUDA stream. Caches:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.traits import (
     BackwardTraits,
     ForwardTraits,
@@ -58,46 +60,57 @@ class ForwardKey:
     check_hdim: bool  # actual head dim < padded head dim
     # candidate traits in order of preference: the first that compiles without local memory wins
     candidates: tuple[ForwardTraits, ...] = field(compare=True)
+    features: Features = NO_FEATURES
 
     @property
     def name(self) -> str:
         return (
             f"fwd_{self.kernel}_{self.target}_{self.dtype}_d{self.head_dim}"
-            f"{'_causal' if self.causal else ''}{'_padded' if self.check_hdim else ''}"
+            f"{'_causal' if self.causal else ''}{self.features.suffix}{'_padded' if self.check_hdim else ''}"
             f"_{self.candidates[0].spec}{'+' if len(self.candidates) > 1 else ''}"
         )
 
 
 def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capacity: int | None = None,
-                traits=None, kernel: str = "sm80", seqlen: int = 0) -> ForwardKey:
+                traits=None, kernel: str = "sm80", seqlen: int = 0, features: Features = NO_FEATURES) -> ForwardKey:
     """The forward variant for these parameters. ``kernel="sm90"`` (only for target sm_90a) falls
     back to the SM80 kernel where the SM90 table has no entry that fits ``smem_capacity``; explicit
     ``traits`` pick the family they belong to. ``seqlen`` (traits.sm90_tier_seqlen) picks the SM90
-    table's tier (it runs other tiles and grids on short and long sequences)."""
+    table's tier (it runs other tiles and grids on short and long sequences); varlen passes
+    max_seqlen_q. ``features``: the optional features compiled in (kernels/features.py)."""
     # every sequence length of a tier maps to one cached key
     tier = sm90_seqlen_tier(head_dim, causal, seqlen) if kernel == "sm90" and traits is None else 0
-    return _forward_key(target, dtype, head_dim, causal, smem_capacity, traits, kernel, tier)
+    return _forward_key(target, dtype, head_dim, causal, smem_capacity, traits, kernel, tier, features)
 
 
 @functools.lru_cache(maxsize=None)
 def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capacity: int | None,
-                 traits, kernel: str, seqlen: int) -> ForwardKey:
+                 traits, kernel: str, seqlen: int, features: Features = NO_FEATURES) -> ForwardKey:
     padded = padded_head_dim(head_dim)
     if traits is not None:
         kernel, candidates = ("sm90" if isinstance(traits, Sm90ForwardTraits) else "sm80"), (traits,)
         if smem_capacity and traits.smem_bytes() > smem_capacity:
             raise ValueError(f"traits {traits.spec} need {traits.smem_bytes()} bytes of shared memory, "
                              f"the GPU has {smem_capacity}")
-        if causal and getattr(traits, "kv_multicast", False):
+        if (causal or features.local or features.varlen) and getattr(traits, "kv_multicast", False):
             raise ValueError(f"traits {traits.spec}: K/V multicast needs the same K/V blocks for both Q "
-                             f"blocks of a cluster, so causal attention cannot use it")
+                             f"blocks of a cluster, so causal, local and varlen attention cannot use it")
     elif kernel == "sm90" and target == "sm_90a" and sm90_forward_traits(head_dim, causal, smem_capacity, seqlen):
-        candidates = sm90_forward_traits(head_dim, causal, smem_capacity, seqlen)
+        candidates = _without_multicast(sm90_forward_traits(head_dim, causal, smem_capacity, seqlen), features)
     else:
         kernel, candidates = "sm80", sm80_forward_traits(head_dim, causal, smem_capacity)
     if kernel == "sm90" and target != "sm_90a":
         raise ValueError(f"the SM90 forward kernel needs target sm_90a, got {target}")
-    return ForwardKey(kernel, target, dtype, padded, bool(causal), head_dim != padded, candidates)
+    return ForwardKey(kernel, target, dtype, padded, bool(causal), head_dim != padded, candidates, features)
+
+
+def _without_multicast(candidates, features: Features):
+    """A local window or varlen gives the two Q blocks of a K/V multicast cluster different K/V
+    blocks: those variants run the same traits without multicast."""
+    if not (features.local or features.varlen):
+        return candidates
+    return tuple(dataclasses.replace(t, kv_multicast=False) if getattr(t, "kv_multicast", False) else t
+                 for t in candidates)
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,7 @@ class BackwardKey:
     # candidate traits in order of preference (see build_backward); the postprocess follows the
     # one taken (backward_post_key)
     candidates: tuple[BackwardTraits | Sm90BackwardTraits, ...]
+    features: Features = NO_FEATURES
 
     @property
     def traits(self) -> BackwardTraits | Sm90BackwardTraits:
@@ -124,7 +138,7 @@ class BackwardKey:
         t = self.traits
         return (
             f"bwd_{self.kernel}_{self.target}_{self.dtype}_d{self.head_dim}"
-            f"{'_causal' if self.causal else ''}{'_padded' if self.check_hdim else ''}"
+            f"{'_causal' if self.causal else ''}{self.features.suffix}{'_padded' if self.check_hdim else ''}"
             f"{'_det' if self.deterministic else ''}_{t.spec}{'+' if len(self.candidates) > 1 else ''}"
         )
 
@@ -140,17 +154,18 @@ class RowKernelKey:
     head_dim: int
     check_hdim: bool
     traits: BackwardTraits | Sm90BackwardTraits | None = None
+    varlen: bool = False  # the only feature the row kernels see
 
     @property
     def name(self) -> str:
         return (f"{self.kind}_{self.target}_{self.dtype}_d{self.head_dim}{'_padded' if self.check_hdim else ''}"
-                f"{'_' + self.traits.spec if self.traits else ''}")
+                f"{'_varlen' if self.varlen else ''}{'_' + self.traits.spec if self.traits else ''}")
 
 
 @functools.lru_cache(maxsize=None)
 def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, deterministic: bool,
                   traits: BackwardTraits | Sm90BackwardTraits | None = None, kernel: str = "sm80",
-                  smem_capacity: int | None = None):
+                  smem_capacity: int | None = None, features: Features = NO_FEATURES):
     """(preprocess, main) keys of one backward variant; see ``backward_post_key``. ``kernel="sm90"``
     (only for target sm_90a) falls back to the SM80 backward where the SM90 table has no entry
     that fits ``smem_capacity``; explicit ``traits`` pick the family they belong to."""
@@ -164,14 +179,15 @@ def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, determin
         kernel, candidates = "sm80", sm80_backward_traits(head_dim)
     if kernel == "sm90" and target != "sm_90a":
         raise ValueError(f"the SM90 backward kernel needs target sm_90a, got {target}")
-    main = BackwardKey(kernel, target, dtype, padded, bool(causal), check, bool(deterministic), candidates)
-    return RowKernelKey("bwd_pre", target, dtype, padded, check), main
+    main = BackwardKey(kernel, target, dtype, padded, bool(causal), check, bool(deterministic), candidates, features)
+    return RowKernelKey("bwd_pre", target, dtype, padded, check, varlen=features.varlen), main
 
 
 def backward_post_key(main: BackwardKey, chosen: BackwardTraits) -> RowKernelKey:
     """The postprocess for the traits the main kernel was compiled with (it reads the dQ
     accumulator in that kernel's dQ MMA layout)."""
-    return RowKernelKey("bwd_post", main.target, main.dtype, main.head_dim, main.check_hdim, chosen)
+    return RowKernelKey("bwd_post", main.target, main.dtype, main.head_dim, main.check_hdim, chosen,
+                        varlen=main.features.varlen)
 
 
 def _cutlass_dtype(name: str):
@@ -237,6 +253,36 @@ def _fake_backward_tensors(dtype, head_dim_padded: int):
                 dq_accum=dq_accum, sem=sem)
 
 
+def _fake_feature_args(features: Features) -> tuple:
+    """The arguments every main kernel takes after its tensors and scales (before the stream):
+    cu_seqlens_q, cu_seqlens_k (int32 (batch + 1,), varlen only), the ALiBi slopes (fp32 (batch,
+    heads) with any batch stride, ALiBi only), the longest sequence of the grid's direction
+    (max_seqlen_q forward, max_seqlen_k backward: the grid of a varlen batch), the window edges
+    and softmax_scale / softcap. Disabled features get None: compiled out, passed as None."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    cu_q = cu_k = slopes = None
+    if features.varlen:
+        batch_plus_1 = cute.sym_int()
+        cu_q, cu_k = (make_fake_tensor(cutlass.Int32, (batch_plus_1,), stride=(1,), assumed_align=4) for _ in range(2))
+    if features.alibi:
+        slopes = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
+                                  assumed_align=4)
+    return (cu_q, cu_k, slopes, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
+
+
+def _fake_row_kernel_args(varlen: bool) -> tuple:
+    """cu_seqlens_q (varlen) and max_seqlen_q: what the backward's pre/postprocess take before the stream."""
+    import cutlass
+    from cutlass.cute.runtime import make_fake_tensor
+    import cutlass.cute as cute
+
+    cu_q = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4) if varlen else None
+    return (cu_q, cutlass.Int32(1))
+
+
 def build_backward(key, keep_artifacts: bool = False):
     """Compile the backward preprocess, main or postprocess kernel for ``key`` (no GPU needed)."""
     import cutlass
@@ -249,29 +295,30 @@ def build_backward(key, keep_artifacts: bool = False):
     t = _fake_backward_tensors(dtype, key.head_dim)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if isinstance(key, RowKernelKey) and key.kind == "bwd_pre":
-        kernel = bwd.BackwardPreprocessSm80(dtype, key.head_dim, key.check_hdim)
-        args = (t["o"], t["do"], t["lse"], t["lse_log2"], t["d"], t["dq_accum"])
+        kernel = bwd.BackwardPreprocessSm80(dtype, key.head_dim, key.check_hdim, varlen=key.varlen)
+        args = (t["o"], t["do"], t["lse"], t["lse_log2"], t["d"], t["dq_accum"], *_fake_row_kernel_args(key.varlen))
     elif isinstance(key, RowKernelKey) and key.kind == "bwd_post":
         tr = key.traits
         if isinstance(tr, Sm90BackwardTraits):  # the accumulator is in the SM90 kernel's slot order
-            kernel = bwd90.BackwardPostprocessSm90(dtype, key.head_dim, key.check_hdim, tr.tile_m)
+            kernel = bwd90.BackwardPostprocessSm90(dtype, key.head_dim, key.check_hdim, tr.tile_m, varlen=key.varlen)
         else:
             kernel = bwd.BackwardPostprocessSm80(dtype, key.head_dim, key.check_hdim, tr.tile_m, tr.num_warps,
-                                                 tr.dq_warps_m)
-        args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0))
+                                                 tr.dq_warps_m, varlen=key.varlen)
+        args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0), *_fake_row_kernel_args(key.varlen))
     elif isinstance(key, BackwardKey):
         args = (t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["d"], t["dq_accum"], t["dk"], t["dv"], t["sem"],
-                cutlass.Float32(1.0), cutlass.Float32(1.0), stream)
+                cutlass.Float32(1.0), cutlass.Float32(1.0), *_fake_feature_args(key.features), stream)
 
         def compile_one(tr, keep):
             if key.kernel == "sm90":
                 kernel = bwd90.FlashAttentionBackwardSm90(
                     dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_stages, key.causal, key.deterministic,
+                    features=key.features,
                 )
             else:
                 kernel = bwd.FlashAttentionBackwardSm80(
                     dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_warps, tr.sdp_warps_m, tr.dkv_warps_n,
-                    tr.dq_warps_m, key.causal, key.check_hdim, key.deterministic,
+                    tr.dq_warps_m, key.causal, key.check_hdim, key.deterministic, features=key.features,
                 )
             return _compile(kernel, *args, target=key.target, keep_artifacts=keep)
 
@@ -329,6 +376,7 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
 
         kernel = FlashAttentionForwardSm80(
             dtype, key.head_dim, t.tile_m, t.tile_n, t.num_warps, t.num_stages, key.causal, key.check_hdim, t.pv_chunks,
+            features=key.features,
         )
         ptxas = "" if t.reg_level is None else f"--register-usage-level={t.reg_level}"
     elif key.kernel == "sm90":
@@ -337,7 +385,7 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
         kernel = FlashAttentionForwardSm90(
             dtype, key.head_dim, t.tile_m, t.tile_n, t.num_stages, key.causal, key.check_hdim,
             intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong, persistent=t.persistent,
-            overlap_tiles=t.overlap_tiles, kv_multicast=t.kv_multicast,
+            overlap_tiles=t.overlap_tiles, kv_multicast=t.kv_multicast, features=key.features,
         )
         ptxas = ""
     else:
@@ -347,7 +395,7 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
     # the SM90 kernel also takes the number of SMs (the size of a persistent grid) and the causal
     # tile order's heads per section
     extra = (cutlass.Int32(132), cutlass.Int32(1)) if key.kernel == "sm90" else ()
-    return _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), *extra, stream,
+    return _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), *extra, *_fake_feature_args(key.features), stream,
                     target=key.target, keep_artifacts=keep_artifacts, ptxas_options=ptxas)
 
 
@@ -526,7 +574,8 @@ def forward_tier_siblings(key: ForwardKey) -> list[ForwardKey]:
         return [key]
     siblings = [
         ForwardKey(key.kernel, key.target, key.dtype, key.head_dim, key.causal, key.check_hdim,
-                   sm90_forward_traits(key.head_dim, key.causal, None, tier))
+                   _without_multicast(sm90_forward_traits(key.head_dim, key.causal, None, tier), key.features),
+                   key.features)
         for tier in sm90_seqlen_tiers(key.head_dim, key.causal)
     ]
     return siblings if key in siblings else [key]
@@ -542,11 +591,13 @@ def forward_variants(
     dtypes: Iterable[str] = DTYPES,
     causal: Iterable[bool] = (False, True),
     kernels: Iterable[str] = ("sm80", "sm90"),
+    features: Iterable[Features] = (NO_FEATURES,),
 ) -> list[ForwardKey]:
     """Every forward variant over the given axes (ahead-of-time lists for tools/ and tests): each
     kernel family on each target it runs on (SM90 only on sm_90a)."""
     keys = {
-        forward_key(target, dtype, d, c, kernel=kernel, seqlen=seqlen): None
+        forward_key(target, dtype, d, c, kernel=kernel, seqlen=seqlen, features=f): None
+        for f in features
         for kernel in kernels
         for target in targets
         if kernel == "sm80" or target == "sm_90a"
@@ -566,6 +617,7 @@ def backward_variants(
     deterministic: Iterable[bool] = (False,),
     spec: str | None = None,
     kernels: Iterable[str] = ("sm80", "sm90"),
+    features: Iterable[Features] = (NO_FEATURES,),
 ) -> list:
     """Every backward kernel (pre/main/post, deduplicated) over the given axes: each kernel family
     on each target it runs on (SM90 on sm_90a, where head dims without an SM90 entry fall back to
@@ -584,8 +636,10 @@ def backward_variants(
                 for dtype in dtypes:
                     for c in causal:
                         for det in deterministic:
-                            pre, main = backward_keys(target, dtype, d, c, det, traits=traits, kernel=kernel)
-                            keys[pre] = keys[main] = None
-                            for chosen in main.candidates:  # whichever the main kernel ends up with
-                                keys[backward_post_key(main, chosen)] = None
+                            for f in features:
+                                pre, main = backward_keys(target, dtype, d, c, det, traits=traits, kernel=kernel,
+                                                          features=f)
+                                keys[pre] = keys[main] = None
+                                for chosen in main.candidates:  # whichever the main kernel ends up with
+                                    keys[backward_post_key(main, chosen)] = None
     return list(keys)

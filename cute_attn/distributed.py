@@ -229,7 +229,7 @@ def ring_flash_attn_func(q, k, v, *, group=None, causal: bool = False, softmax_s
     slices in ``layout`` (``shard_sequence``); returns this rank's slice of the output (and, with
     ``return_lse``, of the LSE (batch, heads, seqlen / world)), with autograd. Every rank calls it
     with the same arguments. ``causal`` is over the whole sequence. window_size and softcap are not
-    supported yet (they need the kernels' sliding-window and softcap support)."""
+    supported by the ring yet (the kernels have them; a window also needs per-step key offsets)."""
     _check_layout(layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -237,8 +237,7 @@ def ring_flash_attn_func(q, k, v, *, group=None, causal: bool = False, softmax_s
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if tuple(window_size) != (-1, -1) or softcap:
-        raise NotImplementedError("ring_flash_attn_func: window_size and softcap need the kernels' sliding-window "
-                                  "and softcap support, which is not written yet")
+        raise NotImplementedError("ring_flash_attn_func: window_size and softcap are not supported by the ring yet")
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold slices of one sequence (equal lengths), got {q.shape[1]} and {k.shape[1]}")
     if layout == "zigzag" and q.shape[1] % 2:

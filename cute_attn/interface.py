@@ -7,11 +7,13 @@ TypeError naming the argument, what was given and what is expected.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from cute_attn import compile as compile_mod
 from cute_attn import dispatch
+from cute_attn.kernels.features import Features
 from cute_attn.traits import MAX_HEAD_DIM, sm90_tier_seqlen
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -95,39 +97,148 @@ def _softmax_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+# ---------------------------------------------------------------------------- score options
+# a window side without limit, as the kernels take it (block_info and mask.py add it to row numbers)
+_UNBOUNDED = 2**30
+
+
+@dataclass(frozen=True)
+class _Scores:
+    """A call's validated score options, as the kernels take them."""
+
+    causal: bool  # the causal kernel (causal with a left window runs the local one, right edge 0)
+    features: Features  # local, softcap, alibi, varlen (kernels/features.py)
+    window_left: int  # the local kernel's run-time edges (_UNBOUNDED: none on that side)
+    window_right: int
+    scale: float  # softmax_scale
+    scale_log2: float  # the softmax's exp2 factor: scale * log2(e), or softcap * log2(e) with a softcap
+    softcap_scale: float  # scale / softcap (softcap only)
+
+    def kernel_scalars(self, max_seqlen: int) -> tuple:
+        """The run-time scalars after the tensors (compile._fake_feature_args)."""
+        return (max_seqlen, self.window_left, self.window_right, self.softcap_scale)
+
+
+def _window(window_size) -> tuple[int, int]:
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
+    if min(window_size) < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {tuple(window_size)}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _score_options(causal, softmax_scale, head_dim: int, window_size=(-1, -1), softcap=0.0, alibi: bool = False,
+                   varlen: bool = False) -> _Scores:
+    """Validate the options and map them onto a kernel, FlashAttention-2's way: causal sets the
+    window's right edge to 0; a window of (-1, 0) is causal attention; (-1, -1) none."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    scale = _softmax_scale(softmax_scale, head_dim)
+    left, right = _window(window_size)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float (0.0: off), got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0: off), got {softcap}")
+    if causal:
+        right = 0
+    kernel_causal = left < 0 and right == 0
+    local = (left >= 0 or right >= 0) and not kernel_causal
+    features = Features(local=local, softcap=softcap > 0, alibi=alibi, varlen=varlen)
+    if softcap > 0:
+        scale_log2, softcap_scale = softcap * math.log2(math.e), scale / softcap
+    else:
+        scale_log2, softcap_scale = scale * math.log2(math.e), 1.0
+    edge = lambda w: _UNBOUNDED if w < 0 else w  # noqa: E731
+    return _Scores(kernel_causal, features, edge(left) if local else 0, edge(right) if local else 0, scale,
+                   scale_log2, softcap_scale)
+
+
+def _alibi_slopes(alibi_slopes, batch: int, heads: int, device) -> torch.Tensor | None:
+    """Validated slopes as the kernels read them: (batch, heads) fp32, batch stride 0 for (heads,)."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on {device}, got {alibi_slopes.device}")
+    if alibi_slopes.dim() == 1:
+        return alibi_slopes.contiguous().view(1, heads).expand(batch, heads)
+    return alibi_slopes if alibi_slopes.stride(-1) == 1 else alibi_slopes.contiguous()
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> int:
+    """Varlen shapes and offsets (no value that needs a host sync); returns the batch size.
+    Left to the caller, as FlashAttention does: cu_seqlens nondecreasing from 0 to total, and
+    max_seqlen at least the longest sequence (checking them would synchronise with the GPU)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim) in a varlen call, "
+                             f"got shape {tuple(t.shape)}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.dim() != 1 or t.numel() < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(t.shape)}")
+        if isinstance(q, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+        if t.stride(0) != 1 and t.numel() > 1:
+            raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        if n < 0:
+            raise ValueError(f"{name} must be >= 0, got {n}")
+    return cu_seqlens_q.numel() - 1
+
+
 # ---------------------------------------------------------------------------- forward
-def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, out=None,
-            return_lse: bool = False):
+def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+            softcap: float = 0.0, alibi_slopes=None, out=None, return_lse: bool = False):
     """Exact attention softmax(q k^T * scale) v, FlashAttention-2 style.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or
     bf16, on one CUDA device, last dim contiguous; heads a multiple of heads_kv (GQA/MQA);
-    head_dim a multiple of 8 up to 256. causal is bottom-right aligned. Returns out (like q,
-    contiguous unless ``out`` is given) and, with ``return_lse``, lse (batch, heads, seqlen_q)
-    float32 in natural log (+inf for a query that sees no key; its out row is 0).
-    Launches on torch's current CUDA stream; no host synchronisation.
+    head_dim a multiple of 8 up to 256. causal is bottom-right aligned. FlashAttention-2's
+    options: ``window_size=(left, right)`` (sliding window, -1 unbounded), ``softcap`` (scores =
+    softcap * tanh(scores / softcap), 0 off), ``alibi_slopes`` fp32 (heads,) or (batch, heads).
+    Returns out (like q, contiguous unless ``out`` is given) and, with ``return_lse``, lse
+    (batch, heads, seqlen_q) float32 in natural log (+inf for a query that sees no key; its out
+    row is 0). Launches on torch's current CUDA stream; no host synchronisation.
     """
     if torch.compiler.is_compiling() and out is None:  # traced as the custom op (integrations/custom_ops.py)
         from cute_attn.integrations import custom_ops as ops
 
-        out, lse = ops.fwd(q, k, v, causal, softmax_scale, False)
+        out, lse = ops.fwd(q, k, v, causal, softmax_scale, False, *_op_window(window_size), float(softcap),
+                           alibi_slopes)
         return (out, lse) if return_lse else out
     # a call like an earlier valid one (same types, dtypes, devices, shapes, strides and options)
     # skips the checks and the kernel lookup; only its pointers' alignment is new
     tensors = (q, k, v) if out is None else (q, k, v, out)
-    signature = _signature(tensors, (causal, softmax_scale))
+    options = (causal, softmax_scale, window_size, softcap, alibi_slopes is None)
+    signature = _signature(tensors + (() if alibi_slopes is None else (alibi_slopes,)), options)
     launch = _FORWARD_LAUNCHES.get(signature)
     if launch is not None and _aligned(tensors):
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-        launch(q, k, v, out, lse)
+        slopes = None if alibi_slopes is None else _alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+        launch(q, k, v, out, lse, None, None, slopes)
         return (out, lse) if return_lse else out
 
     _check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    scale = _softmax_scale(softmax_scale, q.shape[3])
+    opts = _score_options(causal, softmax_scale, q.shape[3], window_size, softcap, alibi_slopes is not None)
+    slopes = _alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
     if out is not None:
         _check_out("out", out, q)
     _check_cuda("q", q)
@@ -141,9 +252,52 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
         out.zero_()
         lse.fill_(math.inf)
     else:
-        launch = _forward_launcher(q, k, causal, scale)
-        launch(q, k, v, out, lse)
+        launch = _forward_launcher(q, k, opts, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1])
+        launch(q, k, v, out, lse, None, None, slopes)
         _remember(_FORWARD_LAUNCHES, signature, launch)
+    return (out, lse) if return_lse else out
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                   causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+                   softcap: float = 0.0, alibi_slopes=None, out=None, return_lse: bool = False):
+    """``forward`` over a batch of sequences of different lengths, packed without padding
+    (FlashAttention's varlen layout): q (total_q, heads, head_dim), k/v (total_k, heads_kv,
+    head_dim); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and
+    cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k/v (int32 (batch + 1,) on q's device); max_seqlen_q/k:
+    the longest sequence (an int; it sizes the grid). Options as ``forward`` (causal, the window
+    and ALiBi's distances are per sequence; alibi_slopes (heads,) or (batch, heads)). Returns out
+    (total_q, heads, head_dim) and, with ``return_lse``, lse (heads, total_q). A sequence may be
+    empty. Not checked (a host sync): cu_seqlens nondecreasing from 0 to the totals, max_seqlen
+    at least the longest sequence; rows past cu_seqlens_q[-1] are not written.
+    """
+    if torch.compiler.is_compiling() and out is None:
+        from cute_attn.integrations import custom_ops as ops
+
+        out, lse = ops.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                  softmax_scale, False, *_op_window(window_size), float(softcap), alibi_slopes)
+        return (out, lse) if return_lse else out
+    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
+    _check_qkv(q4, k4, v4)
+    total_q, heads, head_dim = q.shape
+    opts = _score_options(causal, softmax_scale, head_dim, window_size, softcap, alibi_slopes is not None,
+                          varlen=True)
+    slopes = _alibi_slopes(alibi_slopes, batch, heads, q.device)
+    if out is not None:
+        _check_out("out", out, q, shape=tuple(q.shape))
+        _check_layout("out", out.unsqueeze(0))
+    _check_cuda("q", q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+    if total_q == 0 or batch == 0 or max_seqlen_q == 0:
+        pass
+    elif k.shape[0] == 0 or max_seqlen_k == 0:
+        out.zero_()
+        lse.fill_(math.inf)
+    else:
+        launch = _forward_launcher(q4, k4, opts, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        launch(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, slopes)
     return (out, lse) if return_lse else out
 
 
@@ -153,12 +307,15 @@ _MAX_LAUNCHES = 4096
 
 
 def _signature(tensors, options) -> tuple | None:
-    """What validation and the kernel choice depend on, apart from the pointers (None: not tensors).
-    Options carry their types: causal=1 must not pass for causal=True."""
+    """What validation and the kernel choice depend on, apart from the pointers (None: not tensors
+    or options that cannot be a key). Options carry their types: causal=1 must not pass for
+    causal=True."""
     try:
-        return (tuple((t.__class__, t.dtype, t.device, t.shape, t.stride()) for t in tensors)
-                + tuple((o.__class__, o) for o in options))
-    except AttributeError:
+        signature = (tuple((t.__class__, t.dtype, t.device, t.shape, t.stride()) for t in tensors)
+                     + tuple((o.__class__, o) for o in options))
+        hash(signature)
+        return signature
+    except (AttributeError, TypeError):
         return None
 
 
@@ -173,34 +330,44 @@ def _aligned(tensors) -> bool:
     return all(t.data_ptr() % _ALIGN_BYTES == 0 for t in tensors)
 
 
+def _op_window(window_size) -> tuple:
+    """window_size as the custom ops' two ints (their schema has no tuple of ints)."""
+    if isinstance(window_size, (tuple, list)) and len(window_size) == 2:
+        return tuple(window_size)
+    return window_size, None  # interface checks reject it with its own message
+
+
 def _launch_forward(q, k, v, out, lse, causal: bool, scale: float, traits=None) -> None:
     """Launch on validated tensors. ``traits`` overrides the table (tools/bench.py --sweep)."""
-    _forward_launcher(q, k, causal, scale, traits)(q, k, v, out, lse)
+    opts = _score_options(causal, scale, q.shape[3])
+    _forward_launcher(q, k, opts, traits, q.shape[1], k.shape[1])(q, k, v, out, lse, None, None, None)
 
 
-def _forward_launcher(q, k, causal: bool, scale: float, traits=None):
-    """The launch for validated tensors shaped like q, k: a function of (q, k, v, out, lse)."""
+def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+    """The launch for validated tensors shaped like q, k (varlen: batch 1, packed): a function
+    of (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)."""
     plan = dispatch.plan_for_device(q.device)
     key = compile_mod.forward_key(
-        plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], causal, plan.smem_capacity, traits=traits,
-        kernel=plan.kernel, seqlen=sm90_tier_seqlen(q.shape[1], k.shape[1], causal),
+        plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], opts.causal, plan.smem_capacity, traits=traits,
+        kernel=plan.kernel, seqlen=sm90_tier_seqlen(max_seqlen_q, max_seqlen_k, opts.causal), features=opts.features,
     )
     kernel = compile_mod.forward_cache.get(key)
-    device, scale_log2 = q.device, scale * math.log2(math.e)
+    device, scale_log2 = q.device, opts.scale_log2
     extra = ()
     if key.kernel == "sm90":
         # causal tile order: a persistent grid goes head by head, one CTA per tile in L2-sized
         # sections of heads (kernels/tile_scheduler.py)
         section = 1
-        if causal and not compile_mod.forward_cache.chosen(key).persistent:
+        if opts.causal and not compile_mod.forward_cache.chosen(key).persistent:
             from cute_attn.kernels.tile_scheduler import heads_per_section
 
-            section = heads_per_section(k.shape[1], key.head_dim, q.element_size())
+            section = heads_per_section(max_seqlen_k, key.head_dim, q.element_size())
         extra = (plan.num_sms, section)
+    scalars = opts.kernel_scalars(max_seqlen_q)
 
-    def launch(q, k, v, out, lse):
+    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         with torch.cuda.device(device):
-            kernel(q, k, v, out, lse, scale_log2, *extra)
+            kernel(q, k, v, out, lse, scale_log2, *extra, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *scalars)
 
     return launch
 
@@ -211,25 +378,28 @@ def _check_like(name: str, t, like: torch.Tensor) -> None:
     _check_out(name, t, like)
 
 
-def _check_lse(lse, q: torch.Tensor) -> None:
+def _check_lse(lse, q: torch.Tensor, shape=None) -> None:
     batch, seqlen_q, heads, _ = q.shape
+    shape = (batch, heads, seqlen_q) if shape is None else shape
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
     if lse.dtype != torch.float32:
         raise TypeError(f"lse must be float32, got {lse.dtype}")
-    if tuple(lse.shape) != (batch, heads, seqlen_q):
-        raise ValueError(f"lse must have shape {(batch, heads, seqlen_q)}, got {tuple(lse.shape)}")
+    if tuple(lse.shape) != shape:
+        raise ValueError(f"lse must have shape {shape}, got {tuple(lse.shape)}")
     if lse.device != q.device:
         raise ValueError(f"lse must be on {q.device}, got {lse.device}")
-    if seqlen_q > 1 and lse.stride(-1) != 1:
+    if shape[-1] > 1 and lse.stride(-1) != 1:
         raise ValueError(f"lse must be contiguous in its last dim, got strides {lse.stride()}")
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-             deterministic: bool = False, dq=None, dk=None, dv=None):
+             window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+             dq=None, dk=None, dv=None):
     """Gradients (dq, dk, dv) of ``forward`` for the output gradient ``dout``.
 
-    ``out`` and ``lse`` are what ``forward(..., return_lse=True)`` returned for these q, k, v;
+    ``out`` and ``lse`` are what ``forward(..., return_lse=True)`` returned for these q, k, v and
+    options (causal, softmax_scale, window_size, softcap, alibi_slopes: the same as the forward's);
     attention is recomputed from them block by block (no S x S matrix). ``deterministic=True``
     adds each K/V block's share of dq in a fixed order, so repeated calls are bitwise identical.
     dq/dk/dv may be given to write into; otherwise they are allocated like q/k/v. With GQA/MQA,
@@ -238,28 +408,31 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     if torch.compiler.is_compiling() and dq is None and dk is None and dv is None:
         from cute_attn.integrations import custom_ops as ops
 
-        return ops.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+        return ops.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, *_op_window(window_size),
+                       float(softcap), alibi_slopes)
     given = tuple(t for t in (dq, dk, dv) if t is not None)
     tensors = (dout, q, k, v, out, lse) + given
     # (dq, dk, dv) given or not, in the signature: which of them a fast call must allocate
-    signature = _signature(tensors, (causal, softmax_scale, deterministic, dq is None, dk is None, dv is None))
+    options = (causal, softmax_scale, window_size, softcap, alibi_slopes is None, deterministic,
+               dq is None, dk is None, dv is None)
+    signature = _signature(tensors + (() if alibi_slopes is None else (alibi_slopes,)), options)
     launch = _BACKWARD_LAUNCHES.get(signature)
     if launch is not None and _aligned(tensors):
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
-        launch(dout, q, k, v, out, lse, dq, dk, dv)
+        slopes = None if alibi_slopes is None else _alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+        launch(dout, q, k, v, out, lse, dq, dk, dv, None, None, slopes)
         return dq, dk, dv
 
     _check_qkv(q, k, v)
     _check_like("out", out, q)
     _check_like("dout", dout, q)
     _check_lse(lse, q)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    opts = _score_options(causal, softmax_scale, q.shape[3], window_size, softcap, alibi_slopes is not None)
+    slopes = _alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    scale = _softmax_scale(softmax_scale, q.shape[3])
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if t is not None:
             _check_out(name, t, like)
@@ -270,9 +443,42 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     if q.numel() == 0 or k.numel() == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv
-    launch = _backward_launcher(q, k, causal, scale, deterministic)
-    launch(dout, q, k, v, out, lse, dq, dk, dv)
+    launch = _backward_launcher(q, k, opts, deterministic, max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1])
+    launch(dout, q, k, v, out, lse, dq, dk, dv, None, None, slopes)
     _remember(_BACKWARD_LAUNCHES, signature, launch)
+    return dq, dk, dv
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                    causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+                    softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, dq=None, dk=None, dv=None):
+    """``backward`` for ``varlen_forward``: dout/q/out (total_q, heads, head_dim), k/v (total_k,
+    heads_kv, head_dim), lse (heads, total_q); returns (dq, dk, dv) shaped like q, k, v."""
+    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
+    _check_qkv(q4, k4, v4)
+    _check_like("out", out, q)
+    _check_like("dout", dout, q)
+    _check_lse(lse, q4, shape=(q.shape[1], q.shape[0]))
+    opts = _score_options(causal, softmax_scale, q.shape[2], window_size, softcap, alibi_slopes is not None,
+                          varlen=True)
+    slopes = _alibi_slopes(alibi_slopes, batch, q.shape[1], q.device)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if t is not None:
+            _check_out(name, t, like)
+    _check_cuda("q", q)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    if q.numel() == 0 or k.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv
+    launch = _backward_launcher(q4, k4, opts, deterministic, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                batch=batch)
+    launch(dout.unsqueeze(0), q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), dq.unsqueeze(0), dk.unsqueeze(0),
+           dv.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, slopes)
     return dq, dk, dv
 
 
@@ -281,17 +487,23 @@ _BACKWARD_LAUNCHES: dict = {}  # as _FORWARD_LAUNCHES, for ``backward``
 
 def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, deterministic, traits=None) -> None:
     """Launch on validated tensors. ``traits`` overrides the table (tools/bench.py --bwd-sweep)."""
-    _backward_launcher(q, k, causal, scale, deterministic, traits)(dout, q, k, v, out, lse, dq, dk, dv)
+    opts = _score_options(causal, scale, q.shape[3])
+    _backward_launcher(q, k, opts, deterministic, traits, q.shape[1], k.shape[1])(
+        dout, q, k, v, out, lse, dq, dk, dv, None, None, None)
 
 
-def _backward_launcher(q, k, causal, scale, deterministic, traits=None):
-    """The pre/main/post launches for validated tensors shaped like q, k: a function of
-    (dout, q, k, v, out, lse, dq, dk, dv)."""
+def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, max_seqlen_q: int = 0,
+                       max_seqlen_k: int = 0, batch: int | None = None):
+    """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
+    and ``batch`` sequences): a function of (dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q,
+    cu_seqlens_k, alibi_slopes)."""
+    from cute_attn.kernels.seqlen_info import varlen_padded_rows
     from cute_attn.kernels.sm80.backward import ROW_PAD
 
     plan = dispatch.plan_for_device(q.device)
-    pre, main = compile_mod.backward_keys(plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], causal, deterministic,
-                                          traits=traits, kernel=plan.kernel, smem_capacity=plan.smem_capacity)
+    pre, main = compile_mod.backward_keys(plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], opts.causal, deterministic,
+                                          traits=traits, kernel=plan.kernel, smem_capacity=plan.smem_capacity,
+                                          features=opts.features)
     cache = compile_mod.backward_cache
     chosen = cache.chosen(main)
     if chosen.smem_bytes() > plan.smem_capacity:
@@ -301,26 +513,33 @@ def _backward_launcher(q, k, causal, scale, deterministic, traits=None):
             f"block; this GPU offers {plan.smem_capacity // 1024} KB"
         )
     post = compile_mod.backward_post_key(main, chosen)
-    batch, seqlen_q, heads, _ = q.shape
+    _, rows_q, heads, _ = q.shape
+    varlen = opts.features.varlen
     pad = math.lcm(ROW_PAD, chosen.tile_m)  # whole Q blocks of the main kernel and of the preprocess
-    seqlen_q_pad = -(-seqlen_q // pad) * pad
-    device, head_dim, tile_m = q.device, main.head_dim, chosen.tile_m
+    if varlen:  # each sequence's rows start at a multiple of 128 (kernels/seqlen_info.py)
+        rows_pad, num_seqs = varlen_padded_rows(rows_q, batch), batch
+    else:
+        rows_pad, num_seqs = -(-rows_q // pad) * pad, q.shape[0]
+    sem_blocks = -(-max_seqlen_q // chosen.tile_m)
+    device, head_dim = q.device, main.head_dim
     f32 = dict(dtype=torch.float32, device=device)
     kernels = cache.get(pre), cache.get(main), cache.get(post)
-    scale_log2 = scale * math.log2(math.e)
+    scale, scale_log2 = opts.scale, opts.scale_log2
+    scalars = opts.kernel_scalars(max_seqlen_k)
 
-    def launch(dout, q, k, v, out, lse, dq, dk, dv):
-        lse_log2 = torch.empty((batch, heads, seqlen_q_pad), **f32)
-        delta = torch.empty((batch, heads, seqlen_q_pad), **f32)
-        dq_accum = torch.empty((batch, heads, seqlen_q_pad, head_dim), **f32)  # zeroed by the preprocess
+    def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        lse_log2 = torch.empty((q.shape[0], heads, rows_pad), **f32)
+        delta = torch.empty((q.shape[0], heads, rows_pad), **f32)
+        dq_accum = torch.empty((q.shape[0], heads, rows_pad, head_dim), **f32)  # zeroed by the preprocess
         if deterministic:
-            sem = torch.zeros((batch, heads, seqlen_q_pad // tile_m), dtype=torch.int32, device=device)
+            sem = torch.zeros((num_seqs, heads, sem_blocks), dtype=torch.int32, device=device)
         else:
             sem = torch.empty((1, 1, 1), dtype=torch.int32, device=device)
         with torch.cuda.device(device):
-            kernels[0](out, dout, lse, lse_log2, delta, dq_accum)
-            kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, sem, scale, scale_log2)
-            kernels[2](dq_accum, dq, scale)
+            kernels[0](out, dout, lse, lse_log2, delta, dq_accum, cu_seqlens_q, max_seqlen_q)
+            kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, sem, scale, scale_log2,
+                       cu_seqlens_q, cu_seqlens_k, alibi_slopes, *scalars)
+            kernels[2](dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q)
 
     return launch
 
@@ -339,44 +558,117 @@ class FlashAttnFunc(torch.autograd.Function):
     recomputes attention block by block."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, deterministic):
-        out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    def forward(ctx, q, k, v, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes):
+        out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                           softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        ctx.options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                           alibi_slopes=alibi_slopes, deterministic=deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(_grad_ready(dout), q, k, v, out, lse, causal=ctx.causal,
-                              softmax_scale=ctx.softmax_scale, deterministic=ctx.deterministic)
+        dq, dk, dv = backward(_grad_ready(dout), q, k, v, out, lse, **ctx.options)
         needs = ctx.needs_input_grad
-        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None, None, None)
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 6
 
 
-def flash_attn_func(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-                    deterministic: bool = False, return_lse: bool = False):
-    """``forward`` with autograd: ``out = flash_attn_func(q, k, v, causal=True); out.sum().backward()``.
+class VarlenFlashAttnFunc(torch.autograd.Function):
+    """``FlashAttnFunc`` for packed variable-length batches (``flash_attn_varlen_func``)."""
 
-    Memory stays linear in the sequence length: only q, k, v, out and lse are saved.
-    ``return_lse=True`` also returns the (non-differentiable) LSE. Under torch.compile it is the
-    custom ops ``torch.ops.cute_attn.fwd`` / ``bwd`` (integrations/custom_ops.py), which trace
-    without graph breaks; eager calls take the autograd.Function above, skipping the dispatcher
-    hop and the op's registered autograd.
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                deterministic, window_size, softcap, alibi_slopes):
+        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                  softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                  alibi_slopes=alibi_slopes, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.lengths = (max_seqlen_q, max_seqlen_k)
+        ctx.options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                           alibi_slopes=alibi_slopes, deterministic=deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = varlen_backward(_grad_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
+                                     **ctx.options)
+        needs = ctx.needs_input_grad
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 10
+
+
+def _check_fa2_options(dropout_p, return_attn_probs, deterministic) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout is not implemented in cute_attn: dropout_p must be 0.0, got {dropout_p}")
+    for name, flag in (("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+
+
+def _returned(out, lse, return_attn_probs: bool, return_lse: bool):
+    """FlashAttention-2's return convention: (out, lse, None) with return_attn_probs (no dropout, so
+    no probabilities are kept); cute_attn's own ``return_lse`` gives (out, lse)."""
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                    window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                    return_attn_probs: bool = False, *, return_lse: bool = False):
+    """``forward`` with autograd, with FlashAttention-2's signature and positional order, so that
+    ``flash_attn_func(q, k, v, 0.0, scale, True)`` works as there:
+    ``out = flash_attn_func(q, k, v, causal=True); out.sum().backward()``.
+
+    dropout_p must be 0.0 (no dropout: NotImplementedError otherwise). ``return_attn_probs=True``
+    returns (out, lse, None) as FlashAttention-2 does without dropout; ``return_lse=True`` returns
+    (out, lse). Memory stays linear in the sequence length: only q, k, v, out and lse are saved.
+    Under torch.compile it is the custom ops ``torch.ops.cute_attn.fwd`` / ``bwd``
+    (integrations/custom_ops.py), which trace without graph breaks; eager calls take the
+    autograd.Function above, skipping the dispatcher hop and the op's registered autograd.
     """
     # the arguments the op schema would otherwise reject with its own messages
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_kind(name, t)
-    for name, flag in (("causal", causal), ("deterministic", deterministic)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    _softmax_scale(softmax_scale, q.shape[3])
+    _check_fa2_options(dropout_p, return_attn_probs, deterministic)
+    _score_options(causal, softmax_scale, q.shape[3], window_size, softcap)
     if torch.compiler.is_compiling():
         from cute_attn.integrations import custom_ops as ops
 
         scale = None if softmax_scale is None else float(softmax_scale)
-        out, lse = ops.fwd(q, k, v, causal, scale, deterministic)
+        out, lse = ops.fwd(q, k, v, causal, scale, deterministic, *window_size, float(softcap), alibi_slopes)
     else:
-        out, lse = FlashAttnFunc.apply(q, k, v, causal, softmax_scale, deterministic)
-    return (out, lse) if return_lse else out
+        out, lse = FlashAttnFunc.apply(q, k, v, causal, softmax_scale, deterministic, tuple(window_size), softcap,
+                                       alibi_slopes)
+    return _returned(out, lse, return_attn_probs, return_lse)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                           window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                           deterministic: bool = False, return_attn_probs: bool = False, *, return_lse: bool = False):
+    """``varlen_forward`` with autograd, with FlashAttention-2's signature and positional order:
+    q (total_q, heads, head_dim), k/v (total_k, heads_kv, head_dim), cu_seqlens_q/k int32
+    (batch + 1,) on the device, max_seqlen_q/k ints. Returns out (total_q, heads, head_dim); the
+    lse (heads, total_q) with ``return_attn_probs`` ((out, lse, None)) or ``return_lse``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_fa2_options(dropout_p, return_attn_probs, deterministic)
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _score_options(causal, softmax_scale, q.shape[2], window_size, softcap)
+    if torch.compiler.is_compiling():
+        from cute_attn.integrations import custom_ops as ops
+
+        scale = None if softmax_scale is None else float(softmax_scale)
+        out, lse = ops.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                  deterministic, *window_size, float(softcap), alibi_slopes)
+    else:
+        out, lse = VarlenFlashAttnFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                             softmax_scale, deterministic, tuple(window_size), softcap, alibi_slopes)
+    return _returned(out, lse, return_attn_probs, return_lse)

@@ -19,18 +19,23 @@ import time
 
 
 def prebuild_keys(targets, head_dims, dtypes, causal=(False, True), deterministic=(False,),
-                  directions=("fwd", "bwd")) -> list:
-    """The kernel keys a GPU of each target would compile at run time for these parameters."""
+                  directions=("fwd", "bwd"), features=None) -> list:
+    """The kernel keys a GPU of each target would compile at run time for these parameters
+    (``features``: kernels/features.py sets; default none)."""
     from cute_attn.compile import backward_variants, forward_variants
+    from cute_attn.kernels.features import NO_FEATURES
+
+    features = tuple(features or (NO_FEATURES,))
 
     keys: dict = {}
     for target in targets:
         kernels = ["sm90" if target == "sm_90a" else "sm80"]
         if "fwd" in directions:
-            keys.update(dict.fromkeys(forward_variants([target], head_dims, dtypes, causal, kernels=kernels)))
+            keys.update(dict.fromkeys(forward_variants([target], head_dims, dtypes, causal, kernels=kernels,
+                                                        features=features)))
         if "bwd" in directions:
             keys.update(dict.fromkeys(backward_variants([target], head_dims, dtypes, causal, deterministic,
-                                                        kernels=kernels)))
+                                                        kernels=kernels, features=features)))
     return list(keys)
 
 
@@ -85,6 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--causal", choices=["0", "1", "both"], default="both")
     p.add_argument("--direction", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     p.add_argument("--deterministic", choices=["0", "1", "both"], default="0", help="backward dQ ordering")
+    p.add_argument("--features", nargs="+", default=["none"],
+                   help="feature sets, each 'none' or names joined by commas: local,softcap,alibi,varlen")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
     p.add_argument("--cache-dir", default=None, help="default: $CUTE_ATTN_CACHE_DIR or ~/.cache/cute_attn")
     args = p.parse_args(argv)
@@ -96,7 +103,13 @@ def main(argv=None) -> int:
             p.error(f"--head-dim must be multiples of 8 in [8, 256], got {d}")
     causal = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
     det = {"0": [False], "1": [True], "both": [False, True]}[args.deterministic]
-    keys = prebuild_keys(args.arch, args.head_dim, args.dtype, causal, det, args.direction)
+    from cute_attn.kernels.features import parse_features
+
+    try:
+        features = [parse_features(f) for f in args.features]
+    except ValueError as e:
+        p.error(str(e))
+    keys = prebuild_keys(args.arch, args.head_dim, args.dtype, causal, det, args.direction, features)
     results = prebuild(keys, cache_dir, args.jobs)
     built = sum(1 for *_, b in results if b)
     print(f"{len(results)} kernels in {cache_dir}: {built} compiled, {len(results) - built} already there")

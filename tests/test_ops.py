@@ -69,3 +69,38 @@ def test_flash_attn_func_checks_arguments_before_the_op():
         cute_attn.flash_attn_func(q, k, v, softmax_scale="0.1")
     with pytest.raises(TypeError, match="v must be a torch.Tensor"):
         cute_attn.flash_attn_func(q, k, v.tolist())
+
+
+def test_fake_ops_carry_window_softcap_alibi_and_varlen():
+    with FakeTensorMode():
+        q, k, v = fake_qkv()
+        slopes = torch.rand(8)
+        out, lse = torch.ops.cute_attn.fwd(q, k, v, False, None, False, 64, 0, 30.0, slopes)
+        assert out.shape == q.shape and lse.shape == (2, 8, 100)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        qv, kv, vv = (t.detach()[0].clone().requires_grad_(True) for t in (q, k, v))
+        cu_q, cu_k = torch.tensor([0, 40, 100], dtype=torch.int32), torch.tensor([0, 30, 90], dtype=torch.int32)
+        out, lse = torch.ops.cute_attn.fwd_varlen(qv, kv, vv, cu_q, cu_k, 60, 60, True, None, False)
+        assert out.shape == qv.shape and lse.shape == (8, 100)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (qv, kv, vv))
+        assert (dq.shape, dk.shape, dv.shape) == (qv.shape, kv.shape, vv.shape)
+
+
+def test_compile_fullgraph_varlen_with_options():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def attention(q, k, v, cu_q, cu_k):
+        return cute_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 60, 60, 0.0, None, False, (32, 0), 30.0) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend=backend, fullgraph=True)
+    q, k, v = (t[0] for t in fake_qkv(requires_grad=False))
+    cu_q, cu_k = torch.tensor([0, 40, 100], dtype=torch.int32), torch.tensor([0, 30, 90], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        compiled(q, k, v, cu_q, cu_k)
+    assert len(graphs) == 1 and graphs[0].code.count("torch.ops.cute_attn.fwd_varlen.default") == 1

@@ -272,3 +272,30 @@ def test_window_block_ranges(left, right, seqlen_q, seqlen_k, tile_m, tile_n):
                 assert left_clear(m, n), (n, m)
         if any(any_seen(m, n) for m in range(num_m)):
             assert any_seen(m_min, n) and any_seen(m_max - 1, n), (n, m_min, m_max)
+
+
+@pytest.mark.parametrize("mode", ["none", "causal", "window"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 300), (300, 17), (129, 127), (700, 555), (1000, 1000)])
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_sm90_deterministic_dq_turns(mode, seqlen_q, seqlen_k, tile_m):
+    """Deterministic SM90 backward: the K/V blocks that visit a Q block (backward_walk) hold the
+    semaphore turns 0..count-1 exactly once, each turn's holder launched (grid order) before the
+    next one's, so no CTA waits for one that has not started."""
+    from cute_attn.kernels.sm90.backward import dq_semaphore_turn, kv_block_of_cta
+
+    tile_n = 128
+    windows = [(None, None)] if mode != "window" else [(0, 0), (5, 0), (100, 3), (200, 200), (3, 130), (2**30, 0)]
+    num_n = (seqlen_k + tile_n - 1) // tile_n
+    for left, right in windows:
+        causal = mode == "causal"
+        turns = {}
+        for cta in range(num_n):
+            n = kv_block_of_cta(cta, tile_n, seqlen_k, reverse=causal)
+            m_min, m_max, _, _ = block_info.backward_walk(n, tile_m, tile_n, seqlen_q, seqlen_k, causal, left, right)
+            for m in range(m_min, m_max):
+                turn = dq_semaphore_turn(m, n, tile_m, tile_n, seqlen_q, seqlen_k, causal, left)
+                turns.setdefault(m, []).append((turn, cta))
+        for m, held in turns.items():
+            held.sort()
+            assert [t for t, _ in held] == list(range(len(held))), (left, right, m, held)
+            assert all(a[1] < b[1] for a, b in zip(held, held[1:])), (left, right, m, held)

@@ -156,8 +156,7 @@ def test_repeated_calls_skip_only_what_cannot_change(monkeypatch):
 
     launched = []
     monkeypatch.setattr(interface, "_check_cuda", lambda name, t: None)
-    monkeypatch.setattr(interface, "_forward_launcher",
-                        lambda q, k, causal, scale, traits=None: lambda *args: launched.append(args))
+    monkeypatch.setattr(interface, "_forward_launcher", lambda *a, **kw: lambda *args: launched.append(args))
     monkeypatch.setattr(interface, "_FORWARD_LAUNCHES", {})
     q, k, v = qkv()
     cute_attn.forward(q, k, v, causal=True)
@@ -176,8 +175,7 @@ def test_repeated_backward_calls_skip_only_what_cannot_change(monkeypatch):
 
     launched = []
     monkeypatch.setattr(interface, "_check_cuda", lambda name, t: None)
-    monkeypatch.setattr(interface, "_backward_launcher",
-                        lambda q, k, causal, scale, det, traits=None: lambda *args: launched.append(args))
+    monkeypatch.setattr(interface, "_backward_launcher", lambda *a, **kw: lambda *args: launched.append(args))
     monkeypatch.setattr(interface, "_BACKWARD_LAUNCHES", {})
 
     def call(**overrides):
@@ -195,3 +193,136 @@ def test_repeated_backward_calls_skip_only_what_cannot_change(monkeypatch):
     assert len(interface._BACKWARD_LAUNCHES) == 2
     bwd_raises(ValueError, "dk must have shape", causal=True, dk=torch.empty(2, 16, 2, 64, dtype=q.dtype))
     assert len(launched) == 3
+
+
+# ---------------------------------------------------------------------------- window, softcap, ALiBi
+def test_bad_window_size():
+    q, k, v = qkv()
+    raises(TypeError, "window_size must be a pair of ints", q, k, v, window_size=5)
+    raises(TypeError, "window_size must be a pair of ints", q, k, v, window_size=(1, 2, 3))
+    raises(TypeError, "window_size must be a pair of ints", q, k, v, window_size=(1.0, 2))
+    raises(TypeError, "window_size must be a pair of ints", q, k, v, window_size=(True, 2))
+    raises(ValueError, "window_size entries must be >= -1", q, k, v, window_size=(-2, 0))
+    raises(ValueError, "q must be a CUDA tensor", q, k, v, window_size=[4, -1])  # a list is a pair too
+
+
+def test_bad_softcap():
+    q, k, v = qkv()
+    raises(TypeError, "softcap must be a float", q, k, v, softcap="30")
+    raises(TypeError, "softcap must be a float", q, k, v, softcap=True)
+    raises(ValueError, "softcap must be a finite number >= 0", q, k, v, softcap=-1.0)
+    raises(ValueError, "softcap must be a finite number >= 0", q, k, v, softcap=float("inf"))
+
+
+def test_bad_alibi_slopes():
+    q, k, v = qkv(batch=2, heads=4)
+    raises(TypeError, "alibi_slopes must be a torch.Tensor", q, k, v, alibi_slopes=[0.1] * 4)
+    raises(TypeError, "alibi_slopes must be float32", q, k, v, alibi_slopes=torch.ones(4, dtype=torch.float16))
+    raises(ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\)", q, k, v, alibi_slopes=torch.ones(3))
+    raises(ValueError, r"alibi_slopes must have shape", q, k, v, alibi_slopes=torch.ones(3, 4))
+    raises(ValueError, "alibi_slopes must be on", q, k, v, alibi_slopes=torch.ones(4, device="meta"))
+    raises(ValueError, "q must be a CUDA tensor", q, k, v, alibi_slopes=torch.ones(2, 4))
+
+
+def test_backward_checks_the_new_options():
+    bwd_raises(ValueError, "window_size entries", window_size=(3, -5))
+    bwd_raises(ValueError, "softcap must be", softcap=-2.0)
+    bwd_raises(ValueError, "alibi_slopes must have shape", alibi_slopes=torch.ones(5))
+
+
+@pytest.mark.parametrize("causal,window,kernel_causal,local,edges", [
+    (False, (-1, -1), False, False, (0, 0)),
+    (True, (-1, -1), True, False, (0, 0)),
+    (False, (-1, 0), True, False, (0, 0)),  # FlashAttention-2: a window (-1, 0) is causal attention
+    (True, (-1, 7), True, False, (0, 0)),  # causal sets the right edge to 0
+    (True, (128, -1), False, True, (128, 0)),  # causal with a left window: the local kernel
+    (False, (5, -1), False, True, (5, 2**30)),
+    (False, (-1, 3), False, True, (2**30, 3)),
+    (False, (0, 0), False, True, (0, 0)),
+])
+def test_window_maps_onto_kernels(causal, window, kernel_causal, local, edges):
+    from cute_attn.interface import _score_options
+
+    opts = _score_options(causal, None, 64, window)
+    assert (opts.causal, opts.features.local, (opts.window_left, opts.window_right)) == (kernel_causal, local, edges)
+
+
+def test_softcap_moves_the_softmax_scale_into_the_cap():
+    import math
+
+    from cute_attn.interface import _score_options
+
+    opts = _score_options(False, 0.125, 64, softcap=30.0)
+    assert opts.features.softcap and math.isclose(opts.scale_log2, 30.0 * math.log2(math.e))
+    assert math.isclose(opts.softcap_scale, 0.125 / 30.0) and opts.scale == 0.125
+    assert not _score_options(False, 0.125, 64, softcap=0.0).features.softcap
+
+
+def test_flash_attn_func_fa2_positional_order_and_dropout():
+    q, k, v = qkv()
+    # (q, k, v, dropout_p, softmax_scale, causal) as FlashAttention-2 takes them
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        cute_attn.flash_attn_func(q, k, v, 0.0, 0.1, True)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        cute_attn.flash_attn_func(q, k, v, 0.1)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cute_attn.flash_attn_func(q, k, v, 0.0, None, 1)
+    with pytest.raises(TypeError, match="return_attn_probs must be a bool"):
+        cute_attn.flash_attn_func(q, k, v, return_attn_probs=1)
+    with pytest.raises(ValueError, match="window_size entries"):
+        cute_attn.flash_attn_func(q, k, v, window_size=(-3, 0))
+
+
+# ---------------------------------------------------------------------------- varlen
+def varlen_args(lengths_q=(5, 0, 11), lengths_k=(7, 3, 11), heads=4, heads_kv=2, d=64, **overrides):
+    cu_q = torch.tensor([0, *lengths_q]).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lengths_k]).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lengths_q), heads, d, dtype=torch.bfloat16)
+    k = torch.randn(sum(lengths_k), heads_kv, d, dtype=torch.bfloat16)
+    args = dict(q=q, k=k, v=torch.randn_like(k), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    args.update(overrides)
+    return args
+
+
+def varlen_raises(exc, match, **overrides):
+    a = varlen_args(**{k: overrides.pop(k) for k in ("lengths_q", "lengths_k") if k in overrides})
+    a.update(overrides)
+    positional = [a.pop(n) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+    with pytest.raises(exc, match=match):
+        cute_attn.varlen_forward(*positional, **a)
+
+
+def test_varlen_valid_cpu_input_reaches_only_the_device_check():
+    varlen_raises(ValueError, "q must be a CUDA tensor")
+
+
+def test_varlen_bad_inputs():
+    a = varlen_args()
+    varlen_raises(ValueError, "q must have 3 dims", q=a["q"][None])
+    varlen_raises(TypeError, "cu_seqlens_q must be int32", cu_seqlens_q=a["cu_seqlens_q"].long())
+    varlen_raises(TypeError, "cu_seqlens_k must be a torch.Tensor", cu_seqlens_k=[0, 7, 10, 21])
+    varlen_raises(ValueError, r"cu_seqlens_k must have shape \(batch \+ 1,\)", cu_seqlens_k=a["cu_seqlens_k"][None])
+    varlen_raises(ValueError, "one length", cu_seqlens_k=a["cu_seqlens_k"][:3])
+    varlen_raises(ValueError, "cu_seqlens_q must be on", cu_seqlens_q=a["cu_seqlens_q"].to("meta"))
+    varlen_raises(ValueError, "cu_seqlens_q must be contiguous", cu_seqlens_q=torch.zeros(8, dtype=torch.int32)[::2])
+    varlen_raises(TypeError, "max_seqlen_q must be an int", max_seqlen_q=11.0)
+    varlen_raises(TypeError, "max_seqlen_k must be an int", max_seqlen_k=True)
+    varlen_raises(ValueError, "max_seqlen_k must be >= 0", max_seqlen_k=-1)
+    three_heads = torch.randn(21, 3, 64, dtype=torch.bfloat16)
+    varlen_raises(ValueError, "multiple of k/v heads", k=three_heads, v=three_heads)
+    varlen_raises(ValueError, "window_size entries", window_size=(-4, 0))
+    # ALiBi per sequence: (batch, heads) with batch = len(cu_seqlens) - 1
+    varlen_raises(ValueError, r"alibi_slopes must have shape \(4,\) or \(3, 4\)", alibi_slopes=torch.ones(2, 4))
+    varlen_raises(ValueError, "q must be a CUDA tensor", alibi_slopes=torch.ones(3, 4))
+
+
+def test_varlen_backward_checks_lse_shape():
+    a = varlen_args()
+    out = torch.randn_like(a["q"])
+    positional = [a.pop(n) for n in ("q", "k", "v")]
+    rest = [a.pop(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+    with pytest.raises(ValueError, match=r"lse must have shape \(4, 16\)"):
+        cute_attn.varlen_backward(out, *positional, out, torch.randn(1, 4, 16), *rest)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        cute_attn.varlen_backward(out, *positional, out, torch.randn(4, 16), *rest)

@@ -7,6 +7,9 @@
     python tools/bench.py --ceiling             # and a bf16 8192^3 matmul in every round, as a ceiling
     python tools/bench.py --sustained 2         # 2 s of back-to-back calls per timing (power-limited)
     python tools/bench.py --modes bwd --deterministic  # and cute_attn's backward with deterministic=True
+    python tools/bench.py --window 1024 --seqlens 16384   # sliding window (1024, 0): vs dense causal, FA4
+    python tools/bench.py --softcap 30                    # with softcap 30 vs without, FA4 with it
+    python tools/bench.py --varlen                        # random lengths 128...4096 packed into 16k tokens
 
 Peers: torch SDPA with the flash (FlashAttention-2) and cuDNN backends, and FlashAttention-4
 (``flash_attn.cute``) when importable. Batch = tokens / seqlen, heads = 2048 / head_dim.
@@ -22,6 +25,11 @@ power draw allows.
 With ``--ceiling`` every round also times a bf16 8192^3 ``torch.mm`` (cuBLAS), the practical
 tensor-core ceiling of the GPU at its clocks of that moment, and the table gains its TFLOP/s and
 cute_attn's fraction of it.
+With ``--window W``, ``--softcap C`` or ``--varlen``, the table is of that feature instead
+(``feature_rows``): FLOPs counted over the (query, key) pairs that are visible, cute_attn with the
+feature beside cute_attn's dense kernel (causal for a window; no softcap; equal lengths for varlen)
+and the peers that have the feature: FA4 (window, softcap, varlen) and torch's
+``varlen_attn`` (FlashAttention-2's varlen kernel, where this torch has it).
 Prints a markdown table (TFLOP/s, and cute_attn over the best peer); writes JSON and a PNG plot.
 """
 
@@ -225,8 +233,17 @@ def main(argv=None):
     p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                    help="time each implementation as SECONDS of back-to-back calls (after 0.5 s of warm-up) "
                         "instead of do_bench's short bursts: throughput at the GPU's power limit")
+    p.add_argument("--window", type=int, default=None, metavar="W",
+                   help="sliding window (W, 0): cute_attn and FA4 with it, beside cute_attn's dense causal kernel")
+    p.add_argument("--softcap", type=float, default=None, metavar="C",
+                   help="softcap C: cute_attn with and without it, FA4 with it")
+    p.add_argument("--varlen", action="store_true",
+                   help="a batch of random lengths 128...4096 (seeded) packed into --tokens: cute_attn varlen, "
+                        "cute_attn dense on equal lengths, FA4 varlen, torch varlen_attn")
     p.add_argument("--out", default="bench_results", help="directory for JSON and PNG")
     args = p.parse_args(argv)
+    if args.window is not None or args.softcap is not None or args.varlen:
+        return feature_rows(args)
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     ours = _cute_attn_runners(args.sweep)
@@ -255,6 +272,119 @@ def main(argv=None):
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
     _report(rows, list(ours) + list(ours_bwd), list(peers), list(extra), args)
+
+
+def _visible_pairs(lengths, causal: bool, window: int | None = None) -> int:
+    """(query, key) pairs a batch of (seqlen_q = seqlen_k) sequences computes: the FLOP count's base."""
+    total = 0
+    for s in lengths:
+        if window is not None:  # (window, 0): query i sees min(i, window) + 1 keys
+            w = min(window, s - 1)
+            total += (w + 1) * (w + 2) // 2 - (w + 1) + (s - w) * (w + 1) if s > w else s * (s + 1) // 2
+        else:
+            total += s * (s + 1) // 2 if causal else s * s
+    return total
+
+
+def feature_rows(args):
+    """The --window / --softcap / --varlen tables (one shape family each, modes as asked)."""
+    import cute_attn
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    try:
+        from flash_attn.cute import flash_attn_func as fa4, flash_attn_varlen_func as fa4_varlen
+    except Exception as e:  # noqa: BLE001
+        fa4 = fa4_varlen = None
+        print(f"# FlashAttention-4 not importable ({type(e).__name__}: {e}); skipped", file=sys.stderr)
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    rows = []
+    for mode in args.modes:
+        for d in args.head_dims:
+            heads = 2048 // d
+            for causal in args.causal:
+                for s in (args.seqlens if not args.varlen else [0]):
+                    impls, feature = {}, ""
+                    if args.varlen:
+                        rng = random.Random(0)
+                        lengths = []
+                        while sum(lengths) < args.tokens:
+                            lengths.append(min(rng.randint(128, 4096), args.tokens - sum(lengths)))
+                        cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+                        mx = max(lengths)
+                        q, k, v = (torch.randn(sum(lengths), heads, d, device="cuda", dtype=dtype) for _ in range(3))
+                        flops_pairs, feature = _visible_pairs(lengths, bool(causal)), "varlen 128-4096"
+                        impls["cute_attn varlen"] = lambda q, k, v, c: cute_attn.flash_attn_varlen_func(
+                            q, k, v, cu, cu, mx, mx, causal=c)
+                        # equal lengths, the same tokens (a power of two near the mean length): the
+                        # dense kernel this must keep up with, on views of the same packed tensors
+                        mean = min(max(2 ** round(math.log2(args.tokens / len(lengths))), 128), args.tokens)
+                        dense_pairs = _visible_pairs([mean] * (args.tokens // mean), bool(causal))
+                        impls["cute_attn dense (equal lengths)"] = lambda q, k, v, c: cute_attn.flash_attn_func(
+                            *(t.view(-1, mean, heads, d) for t in (q, k, v)), causal=c).view(q.shape)
+                        if fa4_varlen is not None:
+                            impls["FA4 varlen"] = lambda q, k, v, c: first(fa4_varlen(
+                                q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=c))
+                        try:
+                            from torch.nn.attention.varlen import varlen_attn
+
+                            impls["FA2 varlen (torch varlen_attn)"] = lambda q, k, v, c: first(varlen_attn(
+                                q, k, v, cu, cu, mx, mx, window_size=(-1, 0) if c else (-1, -1)))
+                        except Exception as e:  # noqa: BLE001
+                            print(f"# torch varlen_attn not available ({type(e).__name__}: {e})", file=sys.stderr)
+                    else:
+                        batch = max(args.tokens // s, 1)
+                        q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+                        if args.window is not None:
+                            w = args.window
+                            feature = f"window ({w}, 0)"
+                            flops_pairs = batch * _visible_pairs([s], True, w)
+                            dense_pairs = batch * _visible_pairs([s], True)
+                            impls["cute_attn window"] = lambda q, k, v, c: cute_attn.flash_attn_func(
+                                q, k, v, causal=True, window_size=(w, 0))
+                            impls["cute_attn dense causal"] = lambda q, k, v, c: cute_attn.flash_attn_func(
+                                q, k, v, causal=True)
+                            if fa4 is not None:
+                                impls["FA4 window"] = lambda q, k, v, c: first(fa4(q, k, v, causal=True,
+                                                                                   window_size=(w, 0)))
+                        else:
+                            cap = args.softcap
+                            feature = f"softcap {cap:g}"
+                            flops_pairs = dense_pairs = batch * _visible_pairs([s], bool(causal))
+                            impls["cute_attn softcap"] = lambda q, k, v, c: cute_attn.flash_attn_func(
+                                q, k, v, causal=c, softcap=cap)
+                            impls["cute_attn no softcap"] = lambda q, k, v, c: cute_attn.flash_attn_func(q, k, v, causal=c)
+                            if fa4 is not None:
+                                impls["FA4 softcap"] = lambda q, k, v, c: first(fa4(q, k, v, causal=c, softcap=cap))
+                    scale = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode] * 4 * heads * d
+                    times = _time_interleaved(impls, q, k, v, bool(causal), mode, args.rounds,
+                                              f"{feature} d={d} causal={causal} S={s}", args.sustained)
+                    row = {"mode": mode, "feature": feature, "head_dim": d, "causal": causal, "seqlen": s}
+                    for name, t in times.items():
+                        pairs = dense_pairs if "dense" in name or "no softcap" in name else flops_pairs
+                        row[name] = None if not t else scale * pairs / statistics.median(t) / 1e9
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+    gpu = torch.cuda.get_device_name()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    import cutlass
+
+    print(f"\n{gpu}, {stamp}, torch {torch.__version__}, nvidia-cutlass-dsl {getattr(cutlass, '__version__', '?')}, "
+          f"{args.dtype}, {args.tokens} tokens, TFLOP/s over visible (query, key) pairs\n")
+    cols = list(dict.fromkeys(c for r in rows for c in r if c not in ("mode", "feature", "head_dim", "causal", "seqlen")))
+    ours = cols[0]
+    print("| mode | feature | d | causal | S | " + " | ".join(cols) + f" | {ours} / {cols[1]} | {ours} / best peer |")
+    print("|---|---|---|---|---|" + "---|" * (len(cols) + 2))
+    for r in rows:
+        peers = [r[c] for c in cols if not c.startswith("cute_attn") and r.get(c)]
+        best = max(peers, default=None)
+        cells = [f"{r[c]:.0f}" if r.get(c) else "-" for c in cols]
+        own = f"{r[ours] / r[cols[1]]:.2f}x" if r.get(ours) and r.get(cols[1]) else "-"
+        vs = f"{r[ours] / best:.2f}x" if r.get(ours) and best else "-"
+        print(f"| {r['mode']} | {r['feature']} | {r['head_dim']} | {r['causal']} | {r['seqlen'] or '-'} | "
+              + " | ".join(cells) + f" | {own} | {vs} |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_features.json"), "w") as f:
+        json.dump({"gpu": gpu, "date": stamp, "rows": rows}, f, indent=1)
 
 
 def _report(rows, ours, peers, extra, args):

@@ -2,7 +2,7 @@
 
     python tools/compile_variants.py --arch sm_80 sm_90a --head-dim 64 128 --dtype bf16 fp16 \\
         --causal both --out DIR [--kernel sm80 sm90] [--direction fwd bwd] [--deterministic both] [--jobs 4]
-        [--cache-dir CACHE]
+        [--cache-dir CACHE] [--features none local softcap,alibi varlen]
 
 Writes one .ptx and one .cubin per variant into DIR (when given), shows a progress bar, and ends
 with a table per variant: registers, stack frame, spills, static shared memory and the counts of
@@ -63,11 +63,16 @@ def main(argv=None):
     p.add_argument("--bwd-traits", nargs="*", default=[], help="backward traits instead of the table, e.g. m64n128w8a2b4c2")
     p.add_argument("--kernel", nargs="+", choices=["sm80", "sm90"], default=["sm80", "sm90"],
                    help="kernel families (sm90 compiles only for sm_90a)")
+    p.add_argument("--features", nargs="+", default=["none"],
+                   help="feature sets, each 'none' or names joined by commas: local,softcap,alibi,varlen")
     p.add_argument("--traits", nargs="*", default=[],
                    help="instead of the traits table, these forward traits: SM80 m128n64w4s2, SM90 m128n128s2")
     args = p.parse_args(argv)
 
     causal = {"0": [False], "1": [True], "both": [False, True]}[args.causal]
+    from cute_attn.kernels.features import parse_features
+
+    features = [parse_features(f) for f in args.features]
     keys = []
     if "fwd" in args.direction and args.traits:
         keys += [
@@ -75,11 +80,12 @@ def main(argv=None):
             for spec in args.traits for t in args.arch for d in args.head_dim for dt in args.dtype for c in causal
         ]
     elif "fwd" in args.direction:
-        keys += forward_variants(args.arch, args.head_dim, args.dtype, causal, kernels=args.kernel)
+        keys += forward_variants(args.arch, args.head_dim, args.dtype, causal, kernels=args.kernel, features=features)
     if "bwd" in args.direction:
         det = {"0": [False], "1": [True], "both": [False, True]}[args.deterministic]
         for spec in args.bwd_traits or [None]:
-            keys += backward_variants(args.arch, args.head_dim, args.dtype, causal, det, spec=spec, kernels=args.kernel)
+            keys += backward_variants(args.arch, args.head_dim, args.dtype, causal, det, spec=spec, kernels=args.kernel,
+                                      features=features)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     reports = []

@@ -1,13 +1,18 @@
 """cute_attn's kernels as torch.library custom ops: what torch.compile, the dispatcher and autograd see.
 
-    torch.ops.cute_attn.fwd(q, k, v, causal, softmax_scale, deterministic) -> (out, lse)
-    torch.ops.cute_attn.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic) -> (dq, dk, dv)
+    torch.ops.cute_attn.fwd(q, k, v, causal, softmax_scale, deterministic,
+                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None) -> (out, lse)
+    torch.ops.cute_attn.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
+                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None) -> (dq, dk, dv)
+    torch.ops.cute_attn.fwd_varlen / bwd_varlen: the same with cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k after the tensors (FlashAttention's varlen layout)
 
 Each op has a fake (meta) implementation giving its outputs' shapes, dtypes and strides without
-running anything, so ``torch.compile(fullgraph=True)`` traces through ``flash_attn_func`` with no
-graph break, and ``fwd`` has an autograd formula that calls ``bwd``. ``deterministic`` rides on
-``fwd`` (unused there) so that its backward knows it. The real implementations are
-``interface.forward`` / ``interface.backward``: every check and error message is theirs.
+running anything, so ``torch.compile(fullgraph=True)`` traces through ``flash_attn_func`` and
+``flash_attn_varlen_func`` with no graph break, and the forward ops have an autograd formula
+that calls the backward ones. ``deterministic`` rides on the forward (unused there) so that its
+backward knows it. The real implementations are the ``interface`` functions: every check and
+error message is theirs. The window is two ints (a schema has no tuple of ints).
 """
 
 from __future__ import annotations
@@ -17,44 +22,108 @@ import torch
 from cute_attn import interface
 
 
+def _options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes) -> dict:
+    return dict(causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right), softcap=softcap,
+                alibi_slopes=alibi_slopes)
+
+
+# ---------------------------------------------------------------------------- dense
 @torch.library.custom_op("cute_attn::fwd", mutates_args=())
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float | None,
-        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return interface.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+        deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return interface.forward(q, k, v, return_lse=True,
+                             **_options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes))
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, causal, softmax_scale, deterministic):
+def _fwd_fake(q, k, v, causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0,
+              alibi_slopes=None):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("cute_attn::bwd", mutates_args=())
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-        lse: torch.Tensor, causal: bool, softmax_scale: float | None,
-        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return interface.backward(interface._grad_ready(dout), q, k, v, out, lse, causal=causal,
-                              softmax_scale=softmax_scale, deterministic=deterministic)
+        lse: torch.Tensor, causal: bool, softmax_scale: float | None, deterministic: bool, window_left: int = -1,
+        window_right: int = -1, softcap: float = 0.0,
+        alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return interface.backward(interface._grad_ready(dout), q, k, v, out, lse, deterministic=deterministic,
+                              **_options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes))
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left=-1, window_right=-1,
+              softcap=0.0, alibi_slopes=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic = inputs
+    q, k, v, *options = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)  # never P: memory stays linear in the sequence length
-    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.options = options  # causal, softmax_scale, deterministic, window_left, window_right, softcap, alibi_slopes
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.options)
     needs = ctx.needs_input_grad
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None, None, None, None)
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 7
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------- varlen
+@torch.library.custom_op("cute_attn::fwd_varlen", mutates_args=())
+def fwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+               softmax_scale: float | None, deterministic: bool, window_left: int = -1, window_right: int = -1,
+               softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return interface.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
+                                    **_options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes))
+
+
+@fwd_varlen.register_fake
+def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                     deterministic, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    total_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((heads, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cute_attn::bwd_varlen", mutates_args=())
+def bwd_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, causal: bool, softmax_scale: float | None, deterministic: bool,
+               window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+               alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return interface.varlen_backward(interface._grad_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, deterministic=deterministic,
+                                     **_options(causal, softmax_scale, window_left, window_right, softcap,
+                                                alibi_slopes))
+
+
+@bwd_varlen.register_fake
+def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.lengths, ctx.options = (max_seqlen_q, max_seqlen_k), options
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward_varlen(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, *ctx.options)
+    needs = ctx.needs_input_grad
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 11
+
+
+fwd_varlen.register_autograd(_backward_varlen, setup_context=_setup_varlen_context)

@@ -7,8 +7,9 @@ Importing this module registers ``attention_forward`` with transformers' ``Atten
 SDPA's mask function with its ``AttentionMaskInterface`` under the name ``"cute_attn"``: the model
 builds the same masks as with ``"sdpa"``, which are None whenever plain causal (or full)
 attention is exact, and then cute_attn's kernels run (GQA without repeating K/V, training through
-``flash_attn_func``). Whatever cute_attn cannot serve (an explicit mask: padding or packing; dropout;
-softcap; sliding windows; position biases; paged caches; fp32 models; CPU tensors) goes to
+``flash_attn_func``; logit softcapping, as Gemma 2 asks, included). Whatever cute_attn cannot serve (an
+explicit mask: padding, packing or a sliding window's; dropout; position biases; paged caches; fp32
+models; CPU tensors) goes to
 transformers' own SDPA attention, so every model works and only the speed differs.
 transformers is an optional dependency: ``pip install cute-attn[transformers]``.
 """
@@ -32,7 +33,7 @@ def declined(module, query, key, attention_mask, dropout: float, kwargs) -> str 
         return "an explicit attention mask"
     if dropout:
         return "attention dropout"
-    for name in ("softcap", "sliding_window", "position_bias", "cache"):
+    for name in ("sliding_window", "position_bias", "cache"):
         if kwargs.get(name) is not None:
             return name
     if kwargs.get("output_attentions"):
@@ -61,7 +62,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # empty static cache, whose keys past q_len are unwritten slots
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     out = cute_attn.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                    causal=causal, softmax_scale=scaling)
+                                    causal=causal, softmax_scale=scaling, softcap=float(kwargs.get("softcap") or 0.0))
     return out, None
 
 

@@ -107,3 +107,49 @@ def m_block_left_mask_start(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_
     # a Q block is clear iff its last row still sees the block's first key n*tile_n
     clear_rows = n_block * tile_n - (seqlen_k - seqlen_q) + window_left + 1
     return cutlass.max(clear_rows, 0) // tile_m
+
+
+def forward_walk(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_left=None,
+                 window_right=None, at_least_one: bool = False):
+    """How Q block ``m_block`` walks its K/V blocks, from the last visible one down:
+    (n_block_max, n_masked_right, n_unmasked, n_masked_left). The blocks are n_block_max - 1 down
+    to n_block_max - (n_masked_right + n_unmasked + n_masked_left); the first n_masked_right cross
+    the seqlen_k end or the right edge (causal diagonal / window), the last n_masked_left the
+    window's left edge, the rest need no mask. The first block is always masked (it may end past
+    seqlen_k). ``at_least_one``: a Q block that sees no key still runs one (fully masked) block,
+    for kernels whose pipelines expect one (its rows end with O = 0, LSE = +inf)."""
+    right = _right(causal, window_right)
+    n_max = n_block_max(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal, window_right)
+    n_min = n_block_min(m_block, tile_m, tile_n, seqlen_q, seqlen_k, window_left)
+    if at_least_one:
+        n_max = cutlass.max(n_max, 1)
+        n_min = cutlass.min(n_min, n_max - 1)
+    total = cutlass.max(n_max - n_min, 0)
+    n_right = cutlass.min(total, 1)
+    if right is not None:
+        mask_start = n_block_mask_start(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal, window_right)
+        n_right = cutlass.max(n_max - cutlass.max(mask_start, n_min), n_right)
+    n_left = 0
+    if window_left is not None:
+        left_end = n_block_left_mask_end(m_block, tile_m, tile_n, seqlen_q, seqlen_k, window_left)
+        n_left = cutlass.max(cutlass.min(left_end, n_max - n_right) - n_min, 0)
+    return n_max, n_right, total - n_right - n_left, n_left
+
+
+def backward_walk(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_left=None,
+                  window_right=None):
+    """The Q blocks that see K/V block ``n_block``: (m_block_min, m_block_max, m_mask_right_end,
+    m_mask_left_start). Q blocks below m_mask_right_end cross the right edge (causal diagonal /
+    window), those from m_mask_left_start on the window's left edge; a K/V block that ends past
+    seqlen_k needs the mask in every Q block."""
+    m_min = m_block_min(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal, window_right)
+    m_max = m_block_max(n_block, tile_m, tile_n, seqlen_q, seqlen_k, window_left)
+    right_end = m_block_mask_end(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal, window_right)
+    left_start = m_block_left_mask_start(n_block, tile_m, tile_n, seqlen_q, seqlen_k, window_left)
+    return m_min, m_max, right_end, left_start
+
+
+def dq_turn(m_block, n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, window_left=None):
+    """Deterministic backward: the place of K/V block ``n_block`` among the K/V blocks that add to
+    Q block ``m_block``'s dQ, in increasing n_block order (the semaphore value it waits for)."""
+    return n_block - n_block_min(m_block, tile_m, tile_n, seqlen_q, seqlen_k, window_left)

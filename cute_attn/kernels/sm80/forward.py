@@ -23,8 +23,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from cute_attn.kernels import block_info
+from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, convert, transpose_smem
-from cute_attn.kernels.mask import apply_mask
+from cute_attn.kernels.mask import alibi_slope_units, apply_mask, apply_softcap
+from cute_attn.kernels.seqlen_info import SeqlenInfo
 from cute_attn.kernels.softmax import OnlineSoftmax
 from cute_attn.kernels.sm80 import common
 
@@ -34,6 +36,7 @@ class FlashAttentionForwardSm80:
 
     head_dim: the padded head dim of the traits entry (the actual one is a run-time shape and
     columns past it are zero-filled on load and skipped on store when ``check_hdim``).
+    features: local window, softcap, ALiBi, varlen (kernels/features.py).
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class FlashAttentionForwardSm80:
         causal: bool,
         check_hdim: bool,
         pv_chunks: int = 1,
+        features: Features = NO_FEATURES,
     ):
         assert tile_m % (16 * num_warps) == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
         assert num_stages in (1, 2)
@@ -60,6 +64,7 @@ class FlashAttentionForwardSm80:
         self.causal = causal
         self.check_hdim = check_hdim
         self.pv_chunks = pv_chunks
+        self.features = features
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -71,6 +76,13 @@ class FlashAttentionForwardSm80:
         mO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
         mLSE: cute.Tensor,  # (batch, heads, seqlen_q) float32
         softmax_scale_log2: Float32,
+        mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
+        mCuSeqlensK: cute.Tensor | None,
+        mAlibiSlopes: cute.Tensor | None,  # ALiBi: (batch, heads) fp32
+        max_seqlen_q: Int32,  # varlen: the longest sequence (the grid)
+        window_left: Int32,  # local: the window's edges (an unbounded side is huge)
+        window_right: Int32,
+        softcap_scale: Float32,  # softcap: softmax_scale / softcap
         stream: cuda.CUstream,
     ):
         atom = common.smem_layout_atom(self.dtype, self.head_dim)
@@ -86,12 +98,15 @@ class FlashAttentionForwardSm80:
         copy_load = common.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, asynchronous=True)
         copy_store = common.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, asynchronous=False)
         mma = common.tiled_mma(self.dtype, self.num_warps)
-        num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
+        varlen = const_expr(mCuSeqlensQ is not None)
+        num_m_blocks = cute.ceil_div(max_seqlen_q if varlen else mQ.shape[1], self.tile_m)
+        batch = mCuSeqlensQ.shape[0] - 1 if varlen else mQ.shape[0]
         self.kernel(
-            mQ, mK, mV, mO, mLSE, softmax_scale_log2,
+            mQ, mK, mV, mO, mLSE, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mAlibiSlopes,
+            window_left, window_right, softcap_scale,
             sQ_layout, sKV_layout, copy_load, copy_store, mma, SharedStorage,
         ).launch(
-            grid=(num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0])),
+            grid=(num_m_blocks, cute.size(mQ.shape[2]), cute.size(batch)),
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -107,6 +122,12 @@ class FlashAttentionForwardSm80:
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         softmax_scale_log2: Float32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mAlibiSlopes: cute.Tensor | None,
+        window_left: Int32,
+        window_right: Int32,
+        softcap_scale: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         copy_load: cute.TiledCopy,
@@ -119,23 +140,59 @@ class FlashAttentionForwardSm80:
         num_m_blocks, _, _ = cute.arch.grid_dim()
         # causal: the last Q blocks see the most keys; launching them first evens out the tail
         m_block = num_m_blocks - 1 - m_block_raw if const_expr(self.causal) else m_block_raw
-        seqlen_q = mQ.shape[1]
-        seqlen_k = mK.shape[1]
+        seq = SeqlenInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK)
+        tile = partial(
+            self._tile, mQ, mK, mV, mO, mLSE, softmax_scale_log2, mAlibiSlopes, window_left, window_right,
+            softcap_scale, sQ_layout, sKV_layout, copy_load, copy_store, mma, SharedStorage, seq, m_block, head, tidx,
+        )
+        if const_expr(self.features.varlen):
+            if m_block * self.tile_m < seq.seqlen_q:  # the grid is sized for the longest sequence
+                tile()
+        else:
+            tile()
+
+    @cute.jit
+    def _tile(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale_log2: Float32,
+        mAlibiSlopes: cute.Tensor | None,
+        window_left: Int32,
+        window_right: Int32,
+        softcap_scale: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        copy_load: cute.TiledCopy,
+        copy_store: cute.TiledCopy,
+        mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+        seq: SeqlenInfo,
+        m_block: Int32,
+        head: Int32,
+        tidx: Int32,
+    ):
+        """One (Q block, head, sequence) tile: the whole CTA's work."""
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         head_dim = mQ.shape[3]
         head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA/MQA: K/V are shared, never copied
-
-        n_block_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
-        n_block_mask_start = block_info.n_block_mask_start(
-            m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal
+        window_left = window_left if const_expr(self.features.local) else None
+        window_right = window_right if const_expr(self.features.local) else None
+        n_block_max, n_masked_right, n_unmasked, n_masked_left = block_info.forward_walk(
+            m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal, window_left, window_right
         )
         n_first = cutlass.max(n_block_max - 1, 0)
 
         # ---- tiles of this CTA in global memory
         tile_q = (self.tile_m, self.head_dim)
         tile_kv = (self.tile_n, self.head_dim)
-        gQ = cute.local_tile(mQ[batch, None, head, None], tile_q, (m_block, 0))
-        gK = cute.local_tile(mK[batch, None, head_kv, None], tile_kv, (None, 0))  # (n, d, n_block)
-        gV = cute.local_tile(mV[batch, None, head_kv, None], tile_kv, (None, 0))
+        b = seq.tensor_batch
+        gQ = cute.local_tile(seq.q_rows(mQ[b, None, head, None]), tile_q, (m_block, 0))
+        gK = cute.local_tile(seq.k_rows(mK[b, None, head_kv, None]), tile_kv, (None, 0))  # (n, d, n_block)
+        gV = cute.local_tile(seq.k_rows(mV[b, None, head_kv, None]), tile_kv, (None, 0))
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
@@ -171,6 +228,15 @@ class FlashAttentionForwardSm80:
         tScS_thread0 = mma.get_slice(0).partition_C(cS)
 
         softmax = OnlineSoftmax(softmax_scale_log2, num_rows=cute.size(acc_O.shape[0][1]) * cute.size(acc_O.shape[1]))
+        alibi_slope = None
+        if const_expr(self.features.alibi):
+            alibi_slope = alibi_slope_units(mAlibiSlopes, seq.batch, head, softmax_scale_log2)
+        # softcap, ALiBi and the masks of one S tile (mask.py), given n_block and check_bounds
+        score_mod = partial(
+            self._score_mod, tScS=tScS, tScS_thread0=tScS_thread0, m_block=m_block, seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k, window_left=window_left, window_right=window_right, alibi_slope=alibi_slope,
+            softcap_scale=softcap_scale,
+        )
 
         load_K = partial(self._load_kv, copy_load, tKgK, tKsK, tKVcKV, seqlen_k, head_dim)
         load_V = partial(self._load_kv, copy_load, tVgV, tVsV, tKVcKV, seqlen_k, head_dim)
@@ -194,21 +260,23 @@ class FlashAttentionForwardSm80:
         attend = self._attend_block
         ctx = (
             thr_mma, mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_Q, ldsm_K, ldsm_V,
-            acc_O, softmax, load_K, load_V, tScS, tScS_thread0, m_block, seqlen_q, seqlen_k,
+            acc_O, softmax, load_K, load_V, score_mod,
         )
-        # Blocks [n_block_mask_start, n_block_max) cross the diagonal or the seqlen_k end and are
-        # masked (non-causal: only the first, the seqlen_k boundary); the rest need no mask.
-        num_masked = cutlass.max(n_block_max - cutlass.max(n_block_mask_start, 0), 0)
-        if const_expr(not self.causal):
-            num_masked = cutlass.min(n_block_max, 1)
+        # From the last visible block down: the blocks crossing the seqlen_k end or the right edge
+        # (causal diagonal / window) are masked, then the fully visible ones, then those crossing
+        # the window's left edge (block_info.forward_walk).
         read_stage = Int32(0)
         write_stage = Int32(self.num_stages - 1)
-        for i in cutlass.range(num_masked, unroll=1):
+        for i in cutlass.range(n_masked_right, unroll=1):
             attend(ctx, n_first - i, read_stage, write_stage, masked=True)
             read_stage, write_stage = self._advance(read_stage), self._advance(write_stage)
-        for i in cutlass.range(n_block_max - num_masked, unroll=1):
-            attend(ctx, n_block_max - num_masked - 1 - i, read_stage, write_stage, masked=False)
+        for i in cutlass.range(n_unmasked, unroll=1):
+            attend(ctx, n_first - n_masked_right - i, read_stage, write_stage, masked=False)
             read_stage, write_stage = self._advance(read_stage), self._advance(write_stage)
+        if const_expr(self.features.local):
+            for i in cutlass.range(n_masked_left, unroll=1):
+                attend(ctx, n_first - n_masked_right - n_unmasked - i, read_stage, write_stage, masked=True)
+                read_stage, write_stage = self._advance(read_stage), self._advance(write_stage)
         cute.arch.cp_async_wait_group(0)
 
         # ---- epilogue: O /= rowsum, LSE; O goes registers -> shared (reusing sQ) -> global
@@ -216,7 +284,7 @@ class FlashAttentionForwardSm80:
         rO = convert(acc_O, self.dtype)
 
         # LSE: the thread holding column 0 of a row writes it
-        gLSE = cute.local_tile(mLSE[batch, head, None], (self.tile_m,), (m_block,))
+        gLSE = cute.local_tile(seq.q_rows(mLSE[b, head, None]), (self.tile_m,), (m_block,))
         tOcO = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
         rows_left = seqlen_q - m_block * self.tile_m
         if tOcO[0][1] == 0:
@@ -227,7 +295,7 @@ class FlashAttentionForwardSm80:
 
         cute.arch.barrier()  # every warp is done reading sQ and sV: O reuses sQ's memory
         sO = cute.make_tensor(sQ.iterator, sQ_layout)
-        gO = cute.local_tile(mO[batch, None, head, None], tile_q, (m_block, 0))
+        gO = cute.local_tile(seq.q_rows(mO[b, None, head, None]), tile_q, (m_block, 0))
         common.store_acc_tile(rO, sO, mma, copy_store, gO, tidx, rows_left, head_dim, self.check_hdim)
 
     @cute.jit
@@ -249,6 +317,18 @@ class FlashAttentionForwardSm80:
             seqlen_k - n_block * self.tile_n, head_dim, boundary, self.check_hdim,
         )
 
+    @cute.jit
+    def _score_mod(self, acc_S: cute.Tensor, tScS, tScS_thread0, m_block: Int32, n_block: Int32, seqlen_q: Int32,
+                   seqlen_k: Int32, window_left, window_right, alibi_slope, softcap_scale: Float32,
+                   check_bounds: cutlass.Constexpr[bool]):
+        """Softcap, ALiBi and (``check_bounds``) the masks of block ``n_block``'s S (mask.py);
+        nothing at all for an unmasked block of a kernel without softcap and ALiBi."""
+        if const_expr(self.features.softcap):
+            apply_softcap(acc_S, softcap_scale)
+        if const_expr(check_bounds or alibi_slope is not None):
+            apply_mask(acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                       self.causal, window_left, window_right, alibi_slope, check_bounds)
+
     def _advance(self, stage: Int32) -> Int32:
         return (stage + 1) % self.num_stages
 
@@ -263,7 +343,7 @@ class FlashAttentionForwardSm80:
     ):
         """One K/V block: S = Q K^T, mask, online softmax, O += P V, with the next loads in flight."""
         (thr_mma, mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_Q, ldsm_K, ldsm_V,
-         acc_O, softmax, load_K, load_V, tScS, tScS_thread0, m_block, seqlen_q, seqlen_k) = ctx
+         acc_O, softmax, load_K, load_V, score_mod) = ctx
         s = self.num_stages
         stage_r = read_stage if const_expr(s > 1) else 0
 
@@ -288,10 +368,9 @@ class FlashAttentionForwardSm80:
                 load_K(n_block - 1, 0, boundary=False)
             cute.arch.cp_async_commit_group()
 
-        if const_expr(masked):
-            apply_mask(acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n,
-                       seqlen_q, seqlen_k, self.causal)
-        softmax.step(acc_S, acc_O, check_inf=masked and self.causal)
+        score_mod(acc_S, n_block=n_block, check_bounds=masked)
+        # a masked block may leave a row without any key so far (causal, window)
+        softmax.step(acc_S, acc_O, check_inf=masked and (self.causal or self.features.local))
         tOrP = acc_to_operand_a(convert(acc_S, self.dtype))
 
         if const_expr(s > 1):

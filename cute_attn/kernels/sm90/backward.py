@@ -12,6 +12,12 @@ keys (causal) to the last. Per Q block, recomputing attention from the saved LSE
     dP^T = V dO^T, dS^T = P^T * (dP^T - D)
     dV += P^T dO,  dK += dS^T Q,  dQ = dS K  (this K/V block's share, fp32)
 
+Optional features (kernels/features.py, each compiled in only when asked for): a sliding window
+(the Q block range of ``block_info.backward_walk`` and the window edges in the mask), softcap
+(S^T = tanh(S^T * softcap_scale) before the mask and dS^T times its derivative 1 - tanh^2), ALiBi
+(its bias in the mask) and varlen (packed sequences: ``seqlen_info``; the grid covers the longest
+sequence's K/V blocks and those past a shorter one's end do nothing).
+
 S and dP are computed transposed (keys along the wgmma M dimension, one warpgroup per 64 keys),
 so P^T and dS^T land in registers exactly as the A operand of the dV and dK GEMMs need them: P
 never touches shared memory, dS does once, for dQ = dS K, which needs all the CTA's keys.
@@ -21,7 +27,8 @@ Warp specialisation (``kernel``):
   ``num_stages`` buffers each (mbarrier pipelines ``pipe_q`` and ``pipe_do``).
 - warp 1 (dQ writer): per Q block, adds each MMA warpgroup's fp32 dQ from shared memory into the
   global accumulator with one bulk reduction (``cp.reduce.async.bulk ... .add.f32``), in a fixed
-  order per Q block when deterministic (a semaphore per Q block, FlashAttention-3 style).
+  order per Q block when deterministic (a semaphore per Q block, FlashAttention-3 style; causal:
+  from the diagonal K/V block down, with the grid launching the last K/V blocks first).
 - warpgroups 1-2 (MMA): the five GEMMs and the element-wise work; ``setmaxnreg`` moves the
   producer warpgroup's registers to them.
 
@@ -45,8 +52,10 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.experimental import primitives
 
 from cute_attn.kernels import block_info
+from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
-from cute_attn.kernels.mask import apply_mask_transposed
+from cute_attn.kernels.mask import alibi_slope_units, apply_mask_transposed, apply_softcap
+from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_rows, ragged_view
 from cute_attn.kernels.sm80 import common as sm80_common
 from cute_attn.kernels.sm90 import common
 from cute_attn.kernels.sm90.common import WARPGROUP_THREADS
@@ -68,12 +77,34 @@ class Barrier(enum.IntEnum):
     DQ_EMPTY_WG1 = 5  # MMA warpgroup i + the dQ writer: its dQ buffer may be written (5, 6)
 
 
-def dq_accum_slots(mdQ_accum: cute.Tensor, batch, head, m_block, tile_m: int, head_dim: int,
+def dq_accum_slots(mdQ_accum: cute.Tensor, seq: SeqlenInfo, head, m_block, tile_m: int, head_dim: int,
                    num_chunks: int) -> cute.Tensor:
     """One Q block's fp32 dQ accumulator as (tile_m * head_dim / num_chunks, num_chunks): a
-    contiguous chunk per MMA warpgroup, in the slot order of ``dq_slot_copy``."""
-    block = cute.local_tile(mdQ_accum[batch, head, None, None], (tile_m, head_dim), (m_block, 0))
+    contiguous chunk per MMA warpgroup, in the slot order of ``dq_slot_copy``. Varlen: the
+    sequence's blocks start at its padded row (seqlen_info), so whole blocks never overlap."""
+    rows = seq.padded_q_rows(mdQ_accum[seq.tensor_batch, head, None, None])
+    block = cute.local_tile(rows, (tile_m, head_dim), (m_block, 0))
     return cute.make_tensor(block.iterator, cute.make_layout((tile_m * head_dim // num_chunks, num_chunks)))
+
+
+def kv_block_of_cta(cta, tile_n: int, seqlen_k, reverse: bool):
+    """The K/V block of grid column ``cta``: the last one first when ``reverse`` (deterministic
+    causal, see ``dq_semaphore_turn``). Plain operators: runs on Python ints in the CPU tests."""
+    return (seqlen_k + tile_n - 1) // tile_n - 1 - cta if reverse else cta
+
+
+def dq_semaphore_turn(m_block, n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool,
+                      window_left=None):
+    """Deterministic dQ: the semaphore value K/V block ``n_block`` waits for on Q block
+    ``m_block``. The K/V blocks that see the Q block take turns 0, 1, ... in the grid's launch
+    order, so the ones a block waits for started before it. Causal: from the diagonal block down,
+    with the grid reversed (``kv_block_of_cta``): a Q block is the first one its diagonal K/V
+    block visits, while in increasing n order every Q block waits for K/V block 0, which reaches
+    the last Q blocks last (40-51% slower than non-deterministic). Otherwise increasing n (a
+    window: from its first visible block, ``block_info.dq_turn``)."""
+    if causal:
+        return block_info.n_block_max(m_block, tile_m, tile_n, seqlen_q, seqlen_k, True) - 1 - n_block
+    return block_info.dq_turn(m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, window_left)
 
 
 def dq_slot_copy(num_chunks: int) -> cute.TiledCopy:
@@ -101,6 +132,7 @@ class FlashAttentionBackwardSm90:
     head_dim: the padded head dim (TMA zero-fills the columns past the actual one on load and
     clips them on store). tile_n: 64 keys per MMA warpgroup. tile_m: Q rows per block (64 or 128).
     num_stages: shared-memory buffers for each of Q and dO (and dS).
+    features: local window, softcap, ALiBi, varlen (kernels/features.py).
     """
 
     def __init__(
@@ -112,6 +144,7 @@ class FlashAttentionBackwardSm90:
         num_stages: int,
         causal: bool,
         deterministic: bool,
+        features: Features = NO_FEATURES,
     ):
         assert tile_n == 64 * NUM_MMA_WARPGROUPS, "tile_n: 64 keys per MMA warpgroup"
         assert tile_m in (64, 128) and head_dim % 16 == 0
@@ -123,6 +156,7 @@ class FlashAttentionBackwardSm90:
         self.num_stages = num_stages
         self.causal = causal
         self.deterministic = deterministic
+        self.features = features
         self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
         self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
 
@@ -145,13 +179,26 @@ class FlashAttentionBackwardSm90:
         mdV: cute.Tensor,
         mSemaphore: cute.Tensor,  # (batch, heads, seqlen_q_padded / tile_m) int32, deterministic only
         softmax_scale: Float32,
-        softmax_scale_log2: Float32,
+        softmax_scale_log2: Float32,  # softcap: softcap * log2(e)
+        mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
+        mCuSeqlensK: cute.Tensor | None,
+        mAlibiSlopes: cute.Tensor | None,  # ALiBi: (batch, heads) fp32
+        max_seqlen_k: Int32,  # varlen: the longest sequence's keys (the grid)
+        window_left: Int32,  # local: the window's edges (an unbounded side is huge)
+        window_right: Int32,
+        softcap_scale: Float32,  # softcap: softmax_scale / softcap
         stream: cuda.CUstream,
     ):
+        varlen = const_expr(self.features.varlen)
+        num_batches = mCuSeqlensQ.shape[0] - 1 if varlen else mQ.shape[0]
         # TMA copies tiles of the first two modes: view the tensors as (seqlen, head_dim, heads, batch)
         mQ, mK, mV, mdO, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mdO, mdK, mdV)
         ]
+        if const_expr(varlen):
+            # a TMA store clips at the tensor's end, not the sequence's: dK and dV go through a
+            # ragged view so the last K/V block of a sequence stops at its last key
+            mdK, mdV = ragged_view(mdK), ragged_view(mdV)
         d, m, n, s = self.head_dim, self.tile_m, self.tile_n, self.num_stages
         sQ_layout = common.smem_layout(self.dtype, m, d, s)  # Q and dO
         # K and V, then dK and dV; K is also read MN-major by dQ = dS K in each warpgroup's columns
@@ -189,10 +236,12 @@ class FlashAttentionBackwardSm90:
 
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE_log2, mD, mdQ_accum, mSemaphore,
-            softmax_scale, softmax_scale_log2, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
+            softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mAlibiSlopes, window_left, window_right,
+            softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
             sQ_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
         ).launch(
-            grid=(cute.ceil_div(mK.shape[0], n), cute.size(mK.shape[2]), cute.size(mK.shape[3])),
+            grid=(cute.ceil_div(max_seqlen_k if varlen else mK.shape[0], n), cute.size(mK.shape[2]),
+                  cute.size(num_batches)),
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -215,6 +264,12 @@ class FlashAttentionBackwardSm90:
         mSemaphore: cute.Tensor,
         softmax_scale: Float32,
         softmax_scale_log2: Float32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mAlibiSlopes: cute.Tensor | None,
+        window_left: Int32,
+        window_right: Int32,
+        softcap_scale: Float32,
         atom_Q: cute.CopyAtom,
         atom_K: cute.CopyAtom,
         atom_V: cute.CopyAtom,
@@ -265,54 +320,90 @@ class FlashAttentionBackwardSm90:
                                                        NUM_MMA_WARPGROUPS)))
         pipeline.pipeline_init_wait()
 
-        work = self._work(mQ, mK)
+        # the window's edges only where the kernel has one (None: compiled out)
+        window_left = window_left if const_expr(self.features.local) else None
+        window_right = window_right if const_expr(self.features.local) else None
+        work = self._work(mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+        roles = partial(
+            self._roles, warp_idx, mQ, mK, mV, mdO, mdK, mdV, mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
+            sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
+            mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2,
+            window_left, window_right, softcap_scale, work,
+        )
+        if const_expr(self.features.varlen):
+            # the grid covers the longest sequence: a K/V block past this one's keys does nothing
+            # (no role runs, so no barrier waits for a missing peer; its dK/dV rows do not exist)
+            n_block_raw, _, _ = cute.arch.block_idx()
+            if n_block_raw * self.tile_n < work[2].seqlen_k:
+                roles()
+        else:
+            roles()
+
+    @cute.jit
+    def _roles(self, warp_idx, mQ, mK, mV, mdO, mdK, mdV, mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
+               sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
+               mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2,
+               window_left, window_right, softcap_scale, work):
+        """Warp specialisation: the producer warp, the dQ writer warp, the MMA warpgroups."""
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
                 self._produce(mQ, mK, mV, mdO, mLSE_log2, mD, sQ, sK, sV, sdO, sLSE, sD, atom_Q, atom_K, atom_V,
                               atom_dO, pipe_kv, pipe_q, pipe_do, work)
             if warp_idx == 1:
-                self._write_dq(mdQ_accum, mSemaphore, sdQ, work)
+                self._write_dq(mdQ_accum, mSemaphore, sdQ, window_left, work)
         else:
             cute.arch.setmaxregister_increase(MMA_REGISTERS)
-            self._mma(mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv, mma_dq,
-                      pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, work)
+            self._mma(mdK, mdV, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
+                      mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
+                      softcap_scale, work)
 
     @cute.jit
-    def _work(self, mQ: cute.Tensor, mK: cute.Tensor):
-        """This CTA's K/V block, K/V head and batch, and the Q blocks it visits: (n_block, head_kv,
-        batch, first query head, query heads per K/V head, first Q block, Q blocks per head,
-        seqlen_q, seqlen_k). Every role walks the same (head, Q block) sequence."""
+    def _work(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, window_left, window_right):
+        """This CTA's K/V block, K/V head and sequence, and the Q blocks it visits: (n_block,
+        head_kv, seq, first query head, query heads per K/V head, first Q block, Q blocks per
+        head). Every role walks the same (head, Q block) sequence."""
         n_block, head_kv, batch = cute.arch.block_idx()
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        if const_expr(self.causal and self.deterministic):
+            # the last K/V blocks first: the order their dQ shares are added in (dq_semaphore_turn)
+            n_block = kv_block_of_cta(n_block, self.tile_n, seq.seqlen_k, reverse=True)
         group = mQ.shape[2] // mK.shape[2]  # query heads per K/V head
-        m_min = block_info.m_block_min(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal)
-        num_m = cutlass.max(cute.ceil_div(seqlen_q, self.tile_m) - m_min, 0)
-        return n_block, head_kv, batch, head_kv * group, group, m_min, num_m, seqlen_q, seqlen_k
+        m_min, m_max, _, _ = block_info.backward_walk(n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                                      self.causal, window_left, window_right)
+        num_m = cutlass.max(m_max - m_min, 0)
+        return n_block, head_kv, seq, head_kv * group, group, m_min, num_m
 
     # ------------------------------------------------------------------ producer warp
     @cute.jit
     def _produce(self, mQ, mK, mV, mdO, mLSE_log2, mD, sQ, sK, sV, sdO, sLSE, sD, atom_Q, atom_K, atom_V, atom_dO,
                  pipe_kv, pipe_q, pipe_do, work):
         """TMA loads: K and V once, then Q + LSE and dO + D per Q block, in the MMA warpgroups' order."""
-        n_block, head_kv, batch, head0, group, m_min, num_m, _, _ = work
+        n_block, head_kv, seq, head0, group, m_min, num_m = work
+        b = seq.tensor_batch
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         for atom, mX, sX in ((atom_K, mK, sK), (atom_V, mV, sV)):
-            tXsX, tXgX = common.tma_tiles(atom, cute.local_tile(mX[None, None, head_kv, batch], tile_kv, (n_block, 0)), sX)
+            gX = cute.local_tile(seq.k_rows(mX[None, None, head_kv, b]), tile_kv, (n_block, 0))
+            tXsX, tXgX = common.tma_tiles(atom, gX, sX)
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        # (bound before the loop: the DSL would carry an object whose method a loop body calls)
+        q_rows, padded_q_rows = seq.q_rows, seq.padded_q_rows
         for g in cutlass.range(group, unroll=1):
             head = head0 + g
-            tQsQ, tQgQ = common.tma_tiles(atom_Q, cute.local_tile(mQ[None, None, head, batch], tile_q, (None, 0)), sQ)
-            tdOsdO, tdOgdO = common.tma_tiles(atom_dO, cute.local_tile(mdO[None, None, head, batch], tile_q, (None, 0)),
-                                              sdO)
-            gLSE = cute.local_tile(mLSE_log2[batch, head, None], (self.tile_m,), (None,))
-            gD = cute.local_tile(mD[batch, head, None], (self.tile_m,), (None,))
+            gQ = cute.local_tile(q_rows(mQ[None, None, head, b]), tile_q, (None, 0))
+            gdO = cute.local_tile(q_rows(mdO[None, None, head, b]), tile_q, (None, 0))
+            tQsQ, tQgQ = common.tma_tiles(atom_Q, gQ, sQ)
+            tdOsdO, tdOgdO = common.tma_tiles(atom_dO, gdO, sdO)
+            # the row buffers hold LSE_log2 = +inf (P = 0) and D = 0 past seqlen_q, up to the next
+            # sequence's padded start (varlen)
+            gLSE = cute.local_tile(padded_q_rows(mLSE_log2[b, head, None]), (self.tile_m,), (None,))
+            gD = cute.local_tile(padded_q_rows(mD[b, head, None]), (self.tile_m,), (None,))
             for i in cutlass.range(num_m, unroll=1):
                 m_block = m_min + i
                 pipe_q.producer_acquire(q_state)
@@ -330,11 +421,11 @@ class FlashAttentionBackwardSm90:
 
     # ------------------------------------------------------------------ dQ writer warp
     @cute.jit
-    def _write_dq(self, mdQ_accum, mSemaphore, sdQ, work):
+    def _write_dq(self, mdQ_accum, mSemaphore, sdQ, window_left, work):
         """Per Q block, add each MMA warpgroup's dQ chunk from shared memory into the global fp32
         accumulator (one bulk reduction each). A chunk's buffer is handed back to its warpgroup
         once the previous reduction has read it."""
-        n_block, _, batch, head0, group, m_min, num_m, _, _ = work
+        n_block, _, seq, head0, group, m_min, num_m = work
         lane = cute.arch.lane_idx()
         chunk_bytes = self.tile_m * self.head_dim * Float32.width // 8 // NUM_MMA_WARPGROUPS
         for g in cutlass.range(group, unroll=1):
@@ -347,14 +438,17 @@ class FlashAttentionBackwardSm90:
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY_WG1) + wg,
                                              number_of_threads=WARPGROUP_THREADS + 32)
                 sem = None
+                turn = None
                 if const_expr(self.deterministic):
-                    # K/V blocks add their share of a Q block in increasing n_block order
-                    sem = mSemaphore[batch, head, None].iterator + m_block
+                    # the K/V blocks that see a Q block add their shares in a fixed order
+                    turn = dq_semaphore_turn(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                             self.causal, window_left)
+                    sem = mSemaphore[seq.batch, head, None].iterator + m_block
                     if lane == 0:
-                        while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
+                        while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
                             pass
                     cute.arch.sync_warp()
-                gdQ = dq_accum_slots(mdQ_accum, batch, head, m_block, self.tile_m, self.head_dim, NUM_MMA_WARPGROUPS)
+                gdQ = dq_accum_slots(mdQ_accum, seq, head, m_block, self.tile_m, self.head_dim, NUM_MMA_WARPGROUPS)
                 for wg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
                     cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL_WG1) + wg, number_of_threads=WARPGROUP_THREADS + 32)
                     with cute.arch.elect_one():
@@ -366,14 +460,15 @@ class FlashAttentionBackwardSm90:
                 if const_expr(self.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)  # the additions have landed
                     if lane == 0:
-                        cute.arch.store(sem, n_block + 1, sem="release", scope="gpu")
+                        cute.arch.store(sem, turn + 1, sem="release", scope="gpu")
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------ MMA warpgroups
     @cute.jit
-    def _mma(self, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv, mma_dq,
-             pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, work):
-        n_block, head_kv, batch, _, group, m_min, num_m, seqlen_q, seqlen_k = work
+    def _mma(self, mdK, mdV, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
+             mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
+             softcap_scale, work):
+        n_block, head_kv, seq, head0, group, m_min, num_m = work
         tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # index among the MMA threads
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
         # wgmma operands are described per warpgroup (shared-memory descriptors), accumulators per thread
@@ -407,7 +502,8 @@ class FlashAttentionBackwardSm90:
 
         ctx = (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdKrdS, tdVrdOt, tdKrQt,
                tdQrdS, tdQrKt, acc_dK, acc_dV, stsm_dS, tdSsdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD,
-               pipe_q, pipe_do, softmax_scale_log2, n_block, seqlen_q, seqlen_k, wg)
+               pipe_q, pipe_do, softmax_scale_log2, n_block, seq.seqlen_q, seq.seqlen_k, wg, window_left, window_right,
+               softcap_scale)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -416,47 +512,71 @@ class FlashAttentionBackwardSm90:
         # One loop body for every Q block, masked or not: a second, unmasked copy of the body
         # (as the forward has) measured slower here, the masks being one compare and select
         # per element against the ~100 cycles per element of the five GEMMs.
-        for _ in cutlass.range(group, unroll=1):
+        for g in cutlass.range(group, unroll=1):
+            alibi_slope = None
+            if const_expr(self.features.alibi):
+                alibi_slope = alibi_slope_units(mAlibiSlopes, seq.batch, head0 + g, softmax_scale_log2)
             for i in cutlass.range(num_m, unroll=1):
-                self._backward_block(ctx, q_state, do_state, m_min + i)
+                self._backward_block(ctx, q_state, do_state, m_min + i, alibi_slope)
                 q_state.advance()
                 do_state.advance()
+        # (a K/V block that no query sees still stores its dK = dV = 0)
         self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
-                       n_block, head_kv, batch)
+                       n_block, head_kv, seq)
 
     @cute.jit
-    def _backward_block(self, ctx, q_state, do_state, m_block: Int32):
+    def _backward_block(self, ctx, q_state, do_state, m_block: Int32, alibi_slope):
         """The five GEMMs of one Q block. wgmma groups complete in issue order, so each
         ``wait=1`` below means "everything but the GEMM just issued is done"."""
         (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdKrdS, tdVrdOt, tdKrQt,
          tdQrdS, tdQrKt, acc_dK, acc_dV, stsm_dS, tdSsdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD,
-         pipe_q, pipe_do, softmax_scale_log2, n_block, seqlen_q, seqlen_k, wg) = ctx
+         pipe_q, pipe_do, softmax_scale_log2, n_block, seqlen_q, seqlen_k, wg, window_left, window_right,
+         softcap_scale) = ctx
         q_stage, do_stage = q_state.index, do_state.index
 
-        # S^T = K Q^T and dP^T = V dO^T, back to back
+        # S^T = K Q^T and dP^T = V dO^T, back to back (softcap: dP^T after P^T, below)
+        late_dp = const_expr(self.features.softcap)
         pipe_q.consumer_wait(q_state)
         acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
         common.wgmma(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, q_stage], zero_init=True, wait=-1)
         pipe_do.consumer_wait(do_state)
         acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-        common.wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do_stage], zero_init=True, wait=-1)
+        if const_expr(not late_dp):
+            common.wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do_stage], zero_init=True, wait=-1)
         # the LSE and D of this thread's queries, read from shared memory where used: loading them
         # into registers up front measured slower (tile_m / 2 more live registers; d64 spills)
         lse_log2 = self._per_query(thr_sdp, sLSE, q_stage)
         d = self._per_query(thr_sdp, sD, do_stage)
-        warpgroup.wait_group(1)
+        warpgroup.wait_group(0 if late_dp else 1)
 
-        # P^T = exp2(S^T * scale_log2 - LSE_log2[query]) while dP^T is in flight
+        # P^T = exp2(S^T * scale_log2 - LSE_log2[query]) while dP^T is in flight (not yet issued
+        # with softcap). Softcap first
+        # (S^T = tanh(S^T * softcap_scale); scale_log2 is then softcap * log2(e)), then ALiBi and the masks
+        dtanh = None
+        if const_expr(self.features.softcap):
+            dtanh = cute.make_rmem_tensor_like(acc_S)
+            apply_softcap(acc_S, softcap_scale, dtanh)
         apply_mask_transposed(acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n,
-                              seqlen_q, seqlen_k, self.causal)
+                              seqlen_q, seqlen_k, self.causal, window_left, window_right, alibi_slope)
         S = acc_to_rows_cols(acc_S)
         for c in cutlass.range_constexpr(cute.size(S.shape[1])):
             for r in cutlass.range_constexpr(cute.size(S.shape[0])):
                 S[r, c] = cute.math.exp2(S[r, c] * softmax_scale_log2 - lse_log2[c], fastmath=True)
         tdVrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
+        if const_expr(self.features.softcap):
+            # dS^T = P^T * (1 - tanh^2) * (dP^T - D): the derivative folded into P^T
+            acc_S.store(acc_S.load() * dtanh.load())
 
+        if const_expr(late_dp):
+            # softcap: 1 - tanh^2 beside the in-flight dP^T accumulator spilled (d64 up to 136 bytes,
+            # d128 causal 8, also with it in fp16), and so did dV under dS^T (its P^T operand
+            # pinned). So dV, then dP^T, both done before dS^T: no GEMM runs under the element-wise
+            # work, but nothing spills.
+            common.wgmma(mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do_stage], zero_init=False, wait=-1)
+            common.wgmma(mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, do_stage], zero_init=True, wait=0)
+        else:
+            warpgroup.wait_group(0)
         # dS^T = P^T * (dP^T - D[query])
-        warpgroup.wait_group(0)
         dP = acc_to_rows_cols(acc_dP)
         for c in cutlass.range_constexpr(cute.size(dP.shape[1])):
             for r in cutlass.range_constexpr(cute.size(dP.shape[0])):
@@ -467,8 +587,9 @@ class FlashAttentionBackwardSm90:
         # warpgroups waited for before the last PDS barrier
         cute.copy(stsm_dS, stsm_dS.retile(rdS), tdSsdS[None, None, None, q_stage])
 
-        # dV += P^T dO
-        common.wgmma(mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do_stage], zero_init=False, wait=-1)
+        if const_expr(not late_dp):
+            # dV += P^T dO
+            common.wgmma(mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, do_stage], zero_init=False, wait=-1)
         cute.arch.fence_view_async_shared()  # dS's generic-proxy writes, visible to wgmma
         cute.arch.barrier(barrier_id=int(Barrier.PDS), number_of_threads=self.num_mma_threads)
 
@@ -496,9 +617,10 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def _epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
-                  n_block, head_kv, batch):
+                  n_block, head_kv, seq: SeqlenInfo):
         """dK * softmax_scale; dK and dV -> shared memory (K's and V's buffers, stmatrix) -> global
-        (TMA stores, which clip rows past seqlen_k and columns past the actual head dim)."""
+        (TMA stores, which clip rows past seqlen_k and columns past the actual head dim; varlen:
+        through the ragged view, which ends at the sequence's last key)."""
         acc_dK.store(acc_dK.load() * softmax_scale)
         rdK, rdV = convert(acc_dK, self.dtype), convert(acc_dV, self.dtype)
         barrier = partial(cute.arch.barrier, barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.num_mma_threads)
@@ -512,7 +634,10 @@ class FlashAttentionBackwardSm90:
         if tidx == 0:
             tile = (self.tile_n, self.head_dim)
             for atom, mX, sX in ((atom_dK, mdK, sK), (atom_dV, mdV, sV)):
-                tXsX, tXgX = common.tma_tiles(atom, cute.local_tile(mX[None, None, head_kv, batch], tile, (n_block, 0)), sX)
+                if const_expr(self.features.varlen):
+                    mX = ragged_rows(mX, seq.offset_k, seq.seqlen_k)
+                gX = cute.local_tile(mX[None, None, head_kv, seq.tensor_batch], tile, (n_block, 0))
+                tXsX, tXgX = common.tma_tiles(atom, gX, sX)
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -520,17 +645,29 @@ class FlashAttentionBackwardSm90:
 
 class BackwardPostprocessSm90:
     """dQ = dQ_accum * softmax_scale in the input dtype, one (Q block, head, batch) per CTA of two
-    warpgroups, reading the accumulator in the main kernel's slot order (``dq_slot_copy``)."""
+    warpgroups, reading the accumulator in the main kernel's slot order (``dq_slot_copy``).
+    varlen: packed sequences; the grid covers the longest one and Q blocks past a sequence's end
+    do nothing."""
 
-    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, check_hdim: bool, tile_m: int):
+    def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, check_hdim: bool, tile_m: int,
+                 varlen: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.check_hdim = check_hdim
         self.tile_m = tile_m
+        self.varlen = varlen
         self.num_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
 
     @cute.jit
-    def __call__(self, mdQ_accum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream):
+    def __call__(
+        self,
+        mdQ_accum: cute.Tensor,  # (batch, heads, seqlen_q_padded, head_dim_padded) fp32
+        mdQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        softmax_scale: Float32,
+        mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
+        max_seqlen_q: Int32,  # varlen: the longest sequence (the grid)
+        stream: cuda.CUstream,
+    ):
         # rows padded by 16 bytes rather than swizzled: the 2-element stores of the wgmma C layout
         # and the 128-bit row reads are both free of bank conflicts, for every head dim (the
         # DSL cannot partition a 96-column swizzled tile by the 48-column dQ fragments of d96)
@@ -542,27 +679,43 @@ class BackwardPostprocessSm90:
 
         copy_store = sm80_common.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, asynchronous=False)
         mma_dq = dq_tiled_mma(self.dtype, self.tile_m, self.head_dim)
-        self.kernel(mdQ_accum, mdQ, softmax_scale, sdQ_layout, copy_store, mma_dq, SharedStorage).launch(
-            grid=(cute.ceil_div(mdQ.shape[1], self.tile_m), cute.size(mdQ.shape[2]), cute.size(mdQ.shape[0])),
+        varlen = const_expr(self.varlen)
+        num_batches = mCuSeqlensQ.shape[0] - 1 if varlen else mdQ.shape[0]
+        self.kernel(mdQ_accum, mdQ, softmax_scale, mCuSeqlensQ, sdQ_layout, copy_store, mma_dq, SharedStorage).launch(
+            grid=(cute.ceil_div(max_seqlen_q if varlen else mdQ.shape[1], self.tile_m), cute.size(mdQ.shape[2]),
+                  cute.size(num_batches)),
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mdQ_accum, mdQ, softmax_scale: Float32, sdQ_layout,
+    def kernel(self, mdQ_accum, mdQ, softmax_scale: Float32, mCuSeqlensQ: cute.Tensor | None, sdQ_layout,
                copy_store: cute.TiledCopy, mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr):
-        tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        # (only the query side exists here: cu_seqlens_q stands in for the keys' too, unread)
+        seq = SeqlenInfo(batch, mdQ.shape[1], mdQ.shape[1], mCuSeqlensQ, mCuSeqlensQ)
+        tile = partial(self._tile, mdQ_accum, mdQ, softmax_scale, sdQ_layout, copy_store, mma_dq, SharedStorage,
+                       seq, m_block, head)
+        if const_expr(self.varlen):
+            if m_block * self.tile_m < seq.seqlen_q:  # the grid is sized for the longest sequence
+                tile()
+        else:
+            tile()
+
+    @cute.jit
+    def _tile(self, mdQ_accum, mdQ, softmax_scale: Float32, sdQ_layout, copy_store: cute.TiledCopy,
+              mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr, seq: SeqlenInfo, m_block: Int32, head: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
         tile = (self.tile_m, self.head_dim)
         acc = cute.make_rmem_tensor(mma_dq.get_slice(tidx).partition_shape_C(tile), Float32)
         slots = dq_slot_copy(NUM_MMA_WARPGROUPS).get_slice(tidx).partition_S(
-            dq_accum_slots(mdQ_accum, batch, head, m_block, self.tile_m, self.head_dim, NUM_MMA_WARPGROUPS))
+            dq_accum_slots(mdQ_accum, seq, head, m_block, self.tile_m, self.head_dim, NUM_MMA_WARPGROUPS))
         flat = cute.make_tensor(acc.iterator, cute.make_layout(slots.shape))
         cute.autovec_copy(slots, flat)
         acc.store(acc.load() * softmax_scale)
         rdQ = convert(acc, self.dtype)
         sdQ = cutlass.memory.SmemAllocator().allocate(SharedStorage).sdQ.get_tensor(sdQ_layout)
-        gdQ = cute.local_tile(mdQ[batch, None, head, None], tile, (m_block, 0))
-        sm80_common.store_acc_tile(rdQ, sdQ, mma_dq, copy_store, gdQ, tidx, mdQ.shape[1] - m_block * self.tile_m,
+        gdQ = cute.local_tile(seq.q_rows(mdQ[seq.tensor_batch, None, head, None]), tile, (m_block, 0))
+        sm80_common.store_acc_tile(rdQ, sdQ, mma_dq, copy_store, gdQ, tidx, seq.seqlen_q - m_block * self.tile_m,
                                    mdQ.shape[3], self.check_hdim)

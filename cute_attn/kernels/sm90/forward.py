@@ -22,11 +22,18 @@ flight. Between consumer warpgroups (ping-pong): named barriers let one warpgrou
 while the other does its softmax, so the tensor cores and the exp2 units stay busy.
 
 K/V blocks are visited from the last visible one down, as in the SM80 kernel, so the blocks that
-need a mask (the seqlen_k end, the causal diagonal) come first; the masking, block ranges and
-softmax are the same code (kernels/mask.py, block_info.py, softmax.py). O leaves through shared
-memory and TMA stores, which clip rows past seqlen_q and padded columns: persistent, each consumer
-warpgroup stores its 64 rows from a buffer of O's own; otherwise the whole tile goes out through
-Q's buffer.
+need a mask (the seqlen_k end, the causal diagonal or a window's right edge) come first, then the
+mask-free ones, then (local) those crossing the window's left edge; the masking, softcap, ALiBi,
+block ranges and softmax are the same code (kernels/mask.py, block_info.py, softmax.py). O leaves
+through shared memory and TMA stores, which clip rows past seqlen_q and padded columns:
+persistent, each consumer warpgroup stores its 64 rows from a buffer of O's own; otherwise the
+whole tile goes out through Q's buffer.
+
+Varlen (packed sequences, kernels/seqlen_info.py): the tiles cover the longest sequence's Q blocks
+for every sequence; a tile past its own sequence's end is skipped by every role alike
+(``_next_tile``). Loads start at the sequence's first row (rows past its end are the next
+sequence's: masked, or never stored); O's store goes through a ragged view that clips a partial
+last tile at the sequence's end.
 """
 
 from functools import partial
@@ -40,8 +47,10 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from cute_attn.kernels import block_info, tile_scheduler
+from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
-from cute_attn.kernels.mask import apply_mask
+from cute_attn.kernels.mask import alibi_slope_units, apply_mask, apply_softcap
+from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_rows, ragged_view
 from cute_attn.kernels.softmax import OnlineSoftmax
 from cute_attn.kernels.sm90 import common
 from cute_attn.kernels.sm90.common import WARPGROUP_THREADS, NamedBarrier
@@ -57,7 +66,8 @@ class FlashAttentionForwardSm90:
     head_dim: the padded head dim (TMA zero-fills the columns past the actual one on load and
     clips them on store, so ``check_hdim`` needs no code here). intra_wg_overlap / pingpong switch
     the two overlap techniques; persistent: one CTA per SM walking the tiles; overlap_tiles
-    (persistent only): the next tile's first Q K^T under this tile's epilogue.
+    (persistent only): the next tile's first Q K^T under this tile's epilogue. features: local
+    window, softcap, ALiBi, varlen (kernels/features.py).
     """
 
     def __init__(
@@ -74,6 +84,7 @@ class FlashAttentionForwardSm90:
         persistent: bool = False,
         overlap_tiles: bool = False,
         kv_multicast: bool = False,
+        features: Features = NO_FEATURES,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in REGISTER_SPLIT, "tile_m: 64, 128 or 192"
         assert tile_n % 16 == 0 and head_dim % 16 == 0 and tile_n <= 256
@@ -102,7 +113,18 @@ class FlashAttentionForwardSm90:
         # kv_multicast: both CTAs of a cluster must walk the same K/V blocks, which causal Q blocks
         # do not (each sees a different number of keys)
         assert not (kv_multicast and causal), "K/V multicast is for non-causal attention"
+        # a window or per-sequence lengths give the two Q blocks of a cluster different K/V blocks
+        # too (and varlen tiles are skipped one by one, not in pairs)
+        assert not (kv_multicast and (features.local or features.varlen)), "K/V multicast: no local, no varlen"
         self.cluster_size = 2 if kv_multicast else 1
+        self.features = features
+        # Three consumer warpgroups have 160 registers a thread: softcap's or ALiBi's per-element
+        # work on S does not fit beside the operands of the P V still in flight (P and O stay
+        # pinned until it completes; ptxas spilled 8-96 bytes at d64). Those variants wait for
+        # P V before modifying S; the other warpgroups' GEMMs still keep the tensor cores busy.
+        self.pv_before_score_mod = (
+            self.intra_wg_overlap and self.num_consumer_wgs == 3 and (features.softcap or features.alibi)
+        )
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -116,6 +138,13 @@ class FlashAttentionForwardSm90:
         softmax_scale_log2: Float32,
         num_sms: Int32,  # CTAs of a persistent grid
         heads_per_section: Int32,  # causal tile order (tile_scheduler): chosen by the host
+        mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
+        mCuSeqlensK: cute.Tensor | None,
+        mAlibiSlopes: cute.Tensor | None,  # ALiBi: (batch, heads) fp32
+        max_seqlen_q: Int32,  # varlen: the longest sequence (the tiles)
+        window_left: Int32,  # local: the window's edges (an unbounded side is huge)
+        window_right: Int32,
+        softcap_scale: Float32,  # softcap: softmax_scale / softcap
         stream: cuda.CUstream,
     ):
         # TMA copies tiles of the first two modes: view the tensors as (seqlen, head_dim, heads, batch)
@@ -134,13 +163,15 @@ class FlashAttentionForwardSm90:
         load_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_size > 1) else load
         atom_K, tma_K = cpasync.make_tiled_tma_atom(load_kv, mK, sKV_stage, (n, d), num_multicast=self.cluster_size)
         atom_V, tma_V = cpasync.make_tiled_tma_atom(load_kv, mV, sKV_stage, (n, d), num_multicast=self.cluster_size)
+        # varlen: O's store clips at each sequence's end, not at the packed batch's (seqlen_info)
+        mO_store = ragged_view(mO) if const_expr(self.features.varlen) else mO
         # O's buffer: (64, d, warpgroup) of its own when each warpgroup stores its own rows, else Q's
         if const_expr(self.persistent):
             sO_layout = common.smem_layout(self.dtype, 64, d, self.num_consumer_wgs)
-            atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO, cute.select(sO_layout, mode=[0, 1]), (64, d))
+            atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO_store, cute.select(sO_layout, mode=[0, 1]), (64, d))
         else:
             sO_layout = sQ_stage
-            atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO, sQ_stage, (m, d))
+            atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO_store, sQ_stage, (m, d))
 
         mma_qk = common.tiled_mma(self.dtype, self.num_consumer_wgs, n, b_major_mn=False, a_in_registers=False)
         mma_pv = common.tiled_mma(self.dtype, self.num_consumer_wgs, d, b_major_mn=True, a_in_registers=True)
@@ -157,13 +188,15 @@ class FlashAttentionForwardSm90:
 
         # Tiles are numbered (Q block fastest, then head, then batch): one head's Q blocks run
         # together and share its K/V in L2. Causal: longest first in sections of heads (tile_scheduler).
-        num_tiles = self._num_tiles(mQ)
+        # Varlen: as many Q blocks per (batch, head) as the longest sequence has.
+        num_tiles = self._num_tiles(mQ, mCuSeqlensQ, max_seqlen_q)
         grid = num_tiles  # a multiple of the cluster size (_num_m_blocks)
         if const_expr(self.persistent):
             grid = cutlass.min(num_tiles, num_sms // self.cluster_size * self.cluster_size)
         qheads_per_kvhead = mQ.shape[2] // mK.shape[2]  # GQA/MQA: K/V are shared, never copied
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, heads_per_section, qheads_per_kvhead,
+            mCuSeqlensQ, mCuSeqlensK, mAlibiSlopes, max_seqlen_q, window_left, window_right, softcap_scale,
             atom_Q, atom_K, atom_V, atom_O, sQ_layout, sKV_layout, sO_layout, mma_qk, mma_pv, SharedStorage,
         ).launch(
             grid=(grid, 1, 1),
@@ -181,11 +214,18 @@ class FlashAttentionForwardSm90:
         mQ: cute.Tensor,  # TMA views, (seqlen, head_dim, heads, batch)
         mK: cute.Tensor,
         mV: cute.Tensor,
-        mO: cute.Tensor,
+        mO: cute.Tensor,  # varlen: the ragged view (seqlen_info.ragged_view)
         mLSE: cute.Tensor,
         softmax_scale_log2: Float32,
         heads_per_section: Int32,
         qheads_per_kvhead: Int32,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
+        mAlibiSlopes: cute.Tensor | None,
+        max_seqlen_q: Int32,
+        window_left: Int32,
+        window_right: Int32,
+        softcap_scale: Float32,
         atom_Q: cute.CopyAtom,
         atom_K: cute.CopyAtom,
         atom_V: cute.CopyAtom,
@@ -235,18 +275,28 @@ class FlashAttentionForwardSm90:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = sQ[None, None, 0]
-        tiles = partial(self._tile, mQ, mK, heads_per_section, qheads_per_kvhead)
+        # every role walks the same tiles: ``tiles`` describes one, ``next_tile`` finds the next
+        # (each role computes the number of tiles itself, as it always did)
+        count_tiles = partial(self._num_tiles, mQ, mCuSeqlensQ, max_seqlen_q)
+        coords = partial(self._tile_coords, mQ, mCuSeqlensQ, max_seqlen_q, heads_per_section)
+        tiles = partial(
+            self._tile, coords, mQ, mK, mCuSeqlensQ, mCuSeqlensK, qheads_per_kvhead,
+            window_left if const_expr(self.features.local) else None,
+            window_right if const_expr(self.features.local) else None,
+        )
+        next_tile = partial(self._next_tile, coords, mCuSeqlensQ)
         pipeline.pipeline_init_wait(cluster_shape_mn=self._cluster_vmnk())
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self._produce(mQ, mK, mV, sQ, sK, sV, atom_Q, atom_K, atom_V, pipe_q, pipe_k, pipe_v, tiles)
+                self._produce(mQ, mK, mV, sQ, sK, sV, atom_Q, atom_K, atom_V, pipe_q, pipe_k, pipe_v, tiles,
+                              next_tile, count_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
                 mO, mLSE, sQ, sK, sV, sO, atom_O, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2,
-                tiles, mQ.shape[0], mK.shape[0],
+                tiles, next_tile, count_tiles, mAlibiSlopes, window_left, window_right, softcap_scale,
             )
         if const_expr(self.cluster_size > 1):
             # the other CTA's consumers arrive on this CTA's empty barriers until their last
@@ -261,29 +311,84 @@ class FlashAttentionForwardSm90:
         return cute.make_layout((1, 1, self.cluster_size, 1))
 
     @cute.jit
-    def _tile(self, mQ: cute.Tensor, mK: cute.Tensor, heads_per_section: Int32, qheads_per_kvhead: Int32, tile: Int32):
-        """(m_block, head, head_kv, batch, n_block_max) of tile number ``tile``."""
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        num_m_blocks, heads = self._num_m_blocks(seqlen_q), mQ.shape[2]
-        if const_expr(self.causal):  # longest tiles first, in L2-sized sections of heads
-            m_block, head, batch = tile_scheduler.tile_coords(tile, num_m_blocks, heads, mQ.shape[3], heads_per_section)
+    def _tile_coords(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32,
+                     heads_per_section: Int32, tile: Int32):
+        """(m_block, head, batch) of tile number ``tile``."""
+        num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q)
+        if const_expr(self.causal and not self.features.varlen):
+            # longest tiles first, in L2-sized sections of heads
+            m_block, head, batch = tile_scheduler.tile_coords(tile, num_m_blocks, heads, batches, heads_per_section)
         else:
             pair = tile // num_m_blocks
             m_block, head, batch = tile - pair * num_m_blocks, pair % heads, pair // heads
-        # At least one block: a Q block that sees no key (causal, seqlen_q > seqlen_k) runs block 0
-        # fully masked and ends with O = 0 and LSE = +inf, like any other empty row.
-        n_block_max = cutlass.max(
-            block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal), 1
+            if const_expr(self.causal):
+                # varlen: sequences differ in length, so there is no global longest-first order;
+                # within a head the last Q block (the longest) still comes first
+                m_block = num_m_blocks - 1 - m_block
+        return m_block, head, batch
+
+    @cute.jit
+    def _tile(self, coords, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
+              mCuSeqlensK: cute.Tensor | None, qheads_per_kvhead: Int32, window_left, window_right, tile: Int32):
+        """(m_block, head, head_kv, seq, walk) of tile number ``tile``: its sequence (SeqlenInfo)
+        and its K/V blocks (block_info.forward_walk: n_block_max, n_masked_right, n_unmasked,
+        n_masked_left). At least one block: a Q block that sees no key (causal or local, or a
+        sequence without keys) runs one fully masked block and ends with O = 0 and LSE = +inf,
+        like any other empty row; the pipelines need no special case."""
+        m_block, head, batch = coords(tile)
+        seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        n_block_max, n_masked_right, n_unmasked, n_masked_left = block_info.forward_walk(
+            m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal, window_left, window_right,
+            at_least_one=True,
         )
-        return m_block, head, head // qheads_per_kvhead, batch, n_block_max
+        if const_expr(not self.features.local):
+            # without a window the walk ends at block 0 and, non-causal, masks just its first
+            # block: the same values, as compile-time facts (no loop over the one masked block)
+            n_masked_left = 0
+            if const_expr(not self.causal):
+                n_masked_right = 1
+            n_unmasked = n_block_max - n_masked_right
+        return m_block, head, head // qheads_per_kvhead, seq, (n_block_max, n_masked_right, n_unmasked, n_masked_left)
+
+    @cute.jit
+    def _next_tile(self, coords, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32, rounds: Int32):
+        """(round, tile) of this CTA's first tile from round ``rounds`` on (tile >= num_tiles: none
+        left). Varlen: the tiles past their sequence's end are skipped, by the producer and the
+        consumers alike, so that every role (and ``overlap_tiles``' look at the next tile) sees
+        the same tiles."""
+        tile = self._nth_tile(rounds)
+        if const_expr(self.features.varlen):
+            skip = self._past_end(coords, mCuSeqlensQ, num_tiles, tile)
+            while skip:
+                rounds += 1
+                tile = self._nth_tile(rounds)
+                skip = self._past_end(coords, mCuSeqlensQ, num_tiles, tile)
+        return rounds, tile
+
+    @cute.jit
+    def _past_end(self, coords, mCuSeqlensQ: cute.Tensor, num_tiles: Int32, tile: Int32):
+        """Varlen: whether ``tile`` exists but starts past its sequence's last query. Both sides
+        of the ``and`` are evaluated: a tile past the end is read as tile 0 (cu_seqlens in bounds)."""
+        exists = tile < num_tiles
+        m_block, _, batch = coords(tile if exists else 0)
+        seqlen_q = mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]
+        return exists and m_block * self.tile_m >= seqlen_q
 
     def _nth_tile(self, r: Int32) -> Int32:
         """This CTA's r-th tile (tile_scheduler.nth_tile; a non-persistent grid has one round)."""
         return tile_scheduler.nth_tile(r, cute.arch.block_idx()[0], cute.arch.grid_dim()[0])
 
-    def _num_tiles(self, mQ: cute.Tensor):
-        """Q blocks x heads x batch of a (seqlen, head_dim, heads, batch) view."""
-        return self._num_m_blocks(mQ.shape[0]) * mQ.shape[2] * mQ.shape[3]
+    def _tile_grid(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32):
+        """(Q blocks per (batch, head), heads, batch) of a (seqlen, head_dim, heads, batch) view;
+        varlen: the longest sequence's Q blocks, the batch of cu_seqlens."""
+        if const_expr(self.features.varlen):
+            return self._num_m_blocks(max_seqlen_q), mQ.shape[2], mCuSeqlensQ.shape[0] - 1
+        return self._num_m_blocks(mQ.shape[0]), mQ.shape[2], mQ.shape[3]
+
+    def _num_tiles(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32):
+        """Q blocks x heads x batch."""
+        num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q)
+        return num_m_blocks * heads * batches
 
     def _num_m_blocks(self, seqlen_q: Int32):
         """Q blocks per head, rounded up to whole clusters: a cluster's CTAs share a head's K/V,
@@ -311,22 +416,30 @@ class FlashAttentionForwardSm90:
         pipe_k: pipeline.PipelineAsync,
         pipe_v: pipeline.PipelineAsync,
         tiles,
+        next_tile,
+        count_tiles,
     ):
         """TMA loads in the order the consumers need them: K[last], Q, then per block K[n-1]
-        before V[n] (the consumers issue the next Q K^T before this block's P V); tile by tile."""
+        before V[n] (the consumers issue the next Q K^T before this block's P V); tile by tile.
+        The blocks are n_block_max - 1 down to n_block_max - num_blocks, as the consumers walk them."""
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         cta_rank = cute.arch.block_idx_in_cluster() if const_expr(self.cluster_size > 1) else 0
-        rounds = Int32(0)
-        tile = self._nth_tile(rounds)
-        while tile < self._num_tiles(mQ):
-            m_block, head, head_kv, batch, n_block_max = tiles(tile)
-            tQsQ, tQgQ = common.tma_tiles(atom_Q, cute.local_tile(mQ[None, None, head, batch], tile_q, (m_block, 0)), sQ)
-            tKsK, tKgK = common.tma_tiles(atom_K, cute.local_tile(mK[None, None, head_kv, batch], tile_kv, (None, 0)), sK,
-                                          cta_rank, self.cluster_size)
-            tVsV, tVgV = common.tma_tiles(atom_V, cute.local_tile(mV[None, None, head_kv, batch], tile_kv, (None, 0)), sV,
-                                          cta_rank, self.cluster_size)
+        num_tiles = count_tiles()
+        rounds, tile = next_tile(num_tiles, Int32(0))
+        while tile < num_tiles:
+            m_block, head, head_kv, seq, walk = tiles(tile)
+            n_block_max, n_masked_right, n_unmasked, n_masked_left = walk
+            num_blocks = n_masked_right + n_unmasked + n_masked_left
+            b = seq.tensor_batch
+            # varlen: from the sequence's first row (the rows after its end are masked or not stored)
+            gQ = cute.local_tile(seq.q_rows(mQ[None, None, head, b]), tile_q, (m_block, 0))
+            gK = cute.local_tile(seq.k_rows(mK[None, None, head_kv, b]), tile_kv, (None, 0))
+            gV = cute.local_tile(seq.k_rows(mV[None, None, head_kv, b]), tile_kv, (None, 0))
+            tQsQ, tQgQ = common.tma_tiles(atom_Q, gQ, sQ)
+            tKsK, tKgK = common.tma_tiles(atom_K, gK, sK, cta_rank, self.cluster_size)
+            tVsV, tVgV = common.tma_tiles(atom_V, gV, sV, cta_rank, self.cluster_size)
             load_K = partial(self._tma_load, pipe_k, atom_K, tKgK, tKsK)
             load_V = partial(self._tma_load, pipe_v, atom_V, tVgV, tVsV)
 
@@ -335,22 +448,21 @@ class FlashAttentionForwardSm90:
             cute.copy(atom_Q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
             if const_expr(self.intra_wg_overlap):
-                for i in cutlass.range(n_block_max - 1, unroll=1):
+                for i in cutlass.range(num_blocks - 1, unroll=1):
                     v_state = kv.clone()
                     kv.advance()
                     load_K(n_block_max - 2 - i, kv)
                     load_V(n_block_max - 1 - i, v_state)
-                load_V(0, kv)
+                load_V(n_block_max - num_blocks, kv)
                 kv.advance()
             else:
                 load_V(n_block_max - 1, kv)
                 kv.advance()
-                for i in cutlass.range(n_block_max - 1, unroll=1):
+                for i in cutlass.range(num_blocks - 1, unroll=1):
                     load_K(n_block_max - 2 - i, kv)
                     load_V(n_block_max - 2 - i, kv)
                     kv.advance()
-            rounds += 1
-            tile = self._nth_tile(rounds)
+            rounds, tile = next_tile(num_tiles, rounds + 1)
 
     @cute.jit
     def _tma_load(self, pipe, atom, src: cute.Tensor, dst: cute.Tensor, n_block: Int32, state):
@@ -378,8 +490,12 @@ class FlashAttentionForwardSm90:
         pipe_v: pipeline.PipelineAsync,
         softmax_scale_log2: Float32,
         tiles,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
+        next_tile,
+        count_tiles,
+        mAlibiSlopes: cute.Tensor | None,
+        window_left: Int32,
+        window_right: Int32,
+        softcap_scale: Float32,
     ):
         tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # index among the consumer threads
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
@@ -403,74 +519,114 @@ class FlashAttentionForwardSm90:
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         softmax = OnlineSoftmax(softmax_scale_log2, num_rows)
-        masker = partial(apply_mask, tScS=tScS, tScS_thread0=tScS_thread0, tile_m=self.tile_m, tile_n=self.tile_n,
-                         seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=self.causal)
-        num_tiles = self._num_tiles(mO)
-        rounds = Int32(0)
-        tile = self._nth_tile(rounds)
+        # softcap, ALiBi and the masks of one S tile (mask.py); ``mask_of`` binds a tile's part
+        score_mod = partial(
+            self._score_mod, tScS=tScS, tScS_thread0=tScS_thread0,
+            window_left=window_left if const_expr(self.features.local) else None,
+            window_right=window_right if const_expr(self.features.local) else None,
+            softcap_scale=softcap_scale,
+        )
+        mask_of = partial(self._tile_mask, score_mod, mAlibiSlopes, softmax_scale_log2)
+        num_tiles = count_tiles()
+        rounds, tile = next_tile(num_tiles, Int32(0))
         if const_expr(self.overlap_tiles):
-            # the first tile's first block (every CTA has a first tile: the grid is at most the
-            # number of tiles); every later tile's comes with the previous tile's last block
-            # (_tile_boundary)
-            first_m_block, _, _, _, first_n_block_max = tiles(tile)
-            self._start_tile(acc_O, softmax)
-            pipe_q.consumer_wait(q_state)
-            self._first_block(mma_qk, thr_qk, tSrQ[None, None, None, q_state.index], tSrK, tOrP, softmax,
-                              partial(masker, m_block=first_m_block), pipe_k, kv, first_n_block_max - 1)
+            # the first tile's first block; every later tile's comes with the previous tile's last
+            # block (_tile_boundary)
+            if const_expr(self.features.varlen):
+                # a CTA may have no tile at all (all of its tiles past their sequence's end): the
+                # next-tile path, whose wgmma is issued either way (see _next_first_qk)
+                acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+                has_first = tile < num_tiles
+                self._next_first_qk(has_first, mma_qk, acc_S, tSrQ, tSrK, pipe_q, q_state, pipe_k, kv)
+                self._next_first_softmax(has_first, acc_S, tOrP, acc_O, softmax, pipe_k, kv, mask_of, tiles, tile)
+            else:
+                # every CTA has a first tile: the grid is at most the number of tiles
+                first_m_block, first_head, _, first_seq, first_walk = tiles(tile)
+                self._start_tile(acc_O, softmax)
+                pipe_q.consumer_wait(q_state)
+                self._first_block(mma_qk, thr_qk, tSrQ[None, None, None, q_state.index], tSrK, tOrP, softmax,
+                                  mask_of(first_m_block, first_head, first_seq), pipe_k, kv, first_walk[0] - 1)
         while tile < num_tiles:
-            m_block, head, _, batch, n_block_max = tiles(tile)
-            mask = partial(masker, m_block=m_block)
+            m_block, head, _, seq, walk = tiles(tile)
+            n_block_max, n_masked_right, n_unmasked, n_masked_left = walk
+            mask = mask_of(m_block, head, seq)
             tSrQ_tile = tSrQ[None, None, None, q_state.index]
             ctx = (mma_qk, mma_pv, thr_qk, tSrQ_tile, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg)
-            # Blocks [n_block_mask_start, n_block_max) cross the diagonal or the seqlen_k end and
-            # are masked (non-causal: only the first, the seqlen_k boundary); the rest need no mask.
-            num_masked = cutlass.max(
-                n_block_max
-                - cutlass.max(block_info.n_block_mask_start(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal), 0),
-                1,
-            )
-            if const_expr(not self.causal):
-                num_masked = 1
+            # From n_block_max - 1 down (block_info.forward_walk): n_masked_right blocks cross the
+            # seqlen_k end or the right edge (causal diagonal / window; non-causal: only the first),
+            # n_unmasked need no mask, then (local) n_masked_left cross the window's left edge.
+            n_left_start = n_block_max - n_masked_right - n_unmasked  # one past the first left-masked block
             if const_expr(self.intra_wg_overlap):
                 if const_expr(not self.overlap_tiles):
                     self._start_tile(acc_O, softmax)
                     pipe_q.consumer_wait(q_state)
                     self._first_block(mma_qk, thr_qk, tSrQ_tile, tSrK, tOrP, softmax, mask, pipe_k, kv, n_block_max - 1)
-                for i in cutlass.range(num_masked - 1, unroll=1):
+                for i in cutlass.range(n_masked_right - 1, unroll=1):
                     kv = self._attend_overlapped(ctx, kv, n_block_max - 2 - i, masked=True)
-                for i in cutlass.range(n_block_max - num_masked, unroll=1):
-                    kv = self._attend_overlapped(ctx, kv, n_block_max - num_masked - 1 - i, masked=False)
+                for i in cutlass.range(n_unmasked, unroll=1):
+                    kv = self._attend_overlapped(ctx, kv, n_block_max - n_masked_right - 1 - i, masked=False)
+                if const_expr(self.features.local):
+                    for i in cutlass.range(n_masked_left, unroll=1):
+                        kv = self._attend_overlapped(ctx, kv, n_left_start - 1 - i, masked=True)
                 if const_expr(self.persistent):
                     pipe_q.consumer_release(q_state)  # every Q K^T of this tile has completed
                 q_state.advance()
-                rounds += 1
-                next_tile = self._nth_tile(rounds)
+                rounds, next_tile_ = next_tile(num_tiles, rounds + 1)
                 # the last block's P V and the epilogue (overlap_tiles: the next tile's first Q K^T under it)
                 v_state = kv.clone()
                 kv.advance()
                 self._tile_boundary(
-                    ctx, v_state, kv, q_state, pipe_q, tSrQ, masker, tiles, next_tile, num_tiles,
+                    ctx, v_state, kv, q_state, pipe_q, tSrQ, mask_of, tiles, next_tile_, num_tiles,
                     partial(self._epilogue, acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx,
-                            m_block, head, batch, seqlen_q),
+                            m_block, head, seq),
                 )
             else:
                 self._start_tile(acc_O, softmax)
                 pipe_q.consumer_wait(q_state)
                 self._scheduler_sync(wg)
-                for i in cutlass.range(num_masked, unroll=1):
+                for i in cutlass.range(n_masked_right, unroll=1):
                     kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
-                for i in cutlass.range(n_block_max - num_masked, unroll=1):
-                    kv = self._attend_serial(ctx, kv, n_block_max - num_masked - 1 - i, masked=False)
+                for i in cutlass.range(n_unmasked, unroll=1):
+                    kv = self._attend_serial(ctx, kv, n_block_max - n_masked_right - 1 - i, masked=False)
+                if const_expr(self.features.local):
+                    for i in cutlass.range(n_masked_left, unroll=1):
+                        kv = self._attend_serial(ctx, kv, n_left_start - 1 - i, masked=True)
                 self._scheduler_arrive_next(wg)
                 if const_expr(self.persistent):
                     pipe_q.consumer_release(q_state)
                 q_state.advance()
-                self._epilogue(acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q)
-                rounds += 1
-                next_tile = self._nth_tile(rounds)
-            tile = next_tile
+                self._epilogue(acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, seq)
+                rounds, next_tile_ = next_tile(num_tiles, rounds + 1)
+            tile = next_tile_
         if self._issues_store(tidx):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the last store read it
+
+    @cute.jit
+    def _tile_mask(self, score_mod, mAlibiSlopes: cute.Tensor | None, softmax_scale_log2: Float32, m_block: Int32,
+                   head: Int32, seq: SeqlenInfo):
+        """``score_mod`` for one tile: called as mask(acc_S, n_block=, check_bounds=)."""
+        alibi_slope = None
+        if const_expr(self.features.alibi):
+            alibi_slope = alibi_slope_units(mAlibiSlopes, seq.batch, head, softmax_scale_log2)
+        return partial(score_mod, m_block=m_block, seqlen_q=seq.seqlen_q, seqlen_k=seq.seqlen_k,
+                       alibi_slope=alibi_slope)
+
+    @cute.jit
+    def _score_mod(self, acc_S: cute.Tensor, tScS, tScS_thread0, m_block: Int32, n_block: Int32, seqlen_q: Int32,
+                   seqlen_k: Int32, window_left, window_right, alibi_slope, softcap_scale: Float32,
+                   check_bounds: cutlass.Constexpr[bool]):
+        """Softcap, ALiBi and (``check_bounds``) the masks of block ``n_block``'s S (mask.py);
+        nothing at all for an unmasked block of a kernel without softcap and ALiBi."""
+        if const_expr(self.features.softcap):
+            apply_softcap(acc_S, softcap_scale)
+        if const_expr(check_bounds or alibi_slope is not None):
+            apply_mask(acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                       self.causal, window_left, window_right, alibi_slope, check_bounds)
+
+    def _check_inf(self, masked: bool) -> bool:
+        """Whether a block's softmax must allow rows without any key so far: masked blocks with a
+        causal or window mask, and (varlen) the first block of a sequence that has no key."""
+        return masked and (self.causal or self.features.local or self.features.varlen)
 
     @staticmethod
     def _start_tile(acc_O: cute.Tensor, softmax: OnlineSoftmax):
@@ -491,12 +647,12 @@ class FlashAttentionForwardSm90:
     @cute.jit
     def _first_softmax(self, acc_S, tOrP, softmax, mask, n_block: Int32):
         """Mask, softmax with fresh statistics, and P of a tile's first block."""
-        mask(acc_S, n_block=n_block)
-        softmax.update(acc_S, check_inf=self.causal)  # O is still zero: no rescale
+        mask(acc_S, n_block=n_block, check_bounds=True)
+        softmax.update(acc_S, check_inf=self._check_inf(True))  # O is still zero: no rescale
         tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
 
     @cute.jit
-    def _tile_boundary(self, ctx, v_state, kv, q_state, pipe_q, tSrQ_stages, masker, tiles, next_tile: Int32,
+    def _tile_boundary(self, ctx, v_state, kv, q_state, pipe_q, tSrQ_stages, mask_of, tiles, next_tile: Int32,
                        num_tiles: Int32, epilogue):
         """O += P V of this tile's last block, then the epilogue. With ``overlap_tiles``, once O is
         final and converted, S = Q K^T of the next tile's first block (when this CTA has a next
@@ -520,7 +676,7 @@ class FlashAttentionForwardSm90:
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
             epilogue(issue_next=partial(self._next_first_qk, has_next, mma_qk, acc_S, tSrQ_stages, tSrK, pipe_q,
                                         q_state, pipe_k, kv))
-            self._next_first_softmax(has_next, acc_S, tOrP, acc_O, softmax, pipe_k, kv, masker, tiles, next_tile)
+            self._next_first_softmax(has_next, acc_S, tOrP, acc_O, softmax, pipe_k, kv, mask_of, tiles, next_tile)
 
     @cute.jit
     def _next_first_qk(self, has_next, mma_qk, acc_S, tSrQ_stages, tSrK, pipe_q, q_state, pipe_k, kv):
@@ -534,14 +690,14 @@ class FlashAttentionForwardSm90:
                      zero_init=True, wait=-1)
 
     @cute.jit
-    def _next_first_softmax(self, has_next, acc_S, tOrP, acc_O, softmax, pipe_k, kv, masker, tiles, next_tile: Int32):
+    def _next_first_softmax(self, has_next, acc_S, tOrP, acc_O, softmax, pipe_k, kv, mask_of, tiles, next_tile: Int32):
         """Wait for the next tile's first S and turn it into P, with fresh statistics and O = 0."""
         warpgroup.wait_group(0)
         if has_next:
-            next_m_block, _, _, _, next_n_block_max = tiles(next_tile)
+            next_m_block, next_head, _, next_seq, next_walk = tiles(next_tile)
             self._start_tile(acc_O, softmax)
             pipe_k.consumer_release(kv)
-            self._first_softmax(acc_S, tOrP, softmax, partial(masker, m_block=next_m_block), next_n_block_max - 1)
+            self._first_softmax(acc_S, tOrP, softmax, mask_of(next_m_block, next_head, next_seq), next_walk[0] - 1)
 
     @cute.jit
     def _attend_overlapped(self, ctx, kv, n_block: Int32, masked: cutlass.Constexpr[bool]):
@@ -556,13 +712,18 @@ class FlashAttentionForwardSm90:
         pipe_v.consumer_wait(v_state)
         common.wgmma(mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], zero_init=False, wait=-1)
         self._scheduler_arrive_next(wg)
-        warpgroup.wait_group(1)  # S has landed (P V may still run)
-        pipe_k.consumer_release(kv)
-        if const_expr(masked):
-            mask(acc_S, n_block=n_block)
-        factors = softmax.update(acc_S, check_inf=masked and self.causal)
-        warpgroup.wait_group(0)  # P V done: O and P's registers are free again
-        pipe_v.consumer_release(v_state)
+        if const_expr(self.pv_before_score_mod):
+            warpgroup.wait_group(0)  # S has landed and P V is done (see __init__)
+            pipe_k.consumer_release(kv)
+            pipe_v.consumer_release(v_state)
+        else:
+            warpgroup.wait_group(1)  # S has landed (P V may still run)
+            pipe_k.consumer_release(kv)
+        mask(acc_S, n_block=n_block, check_bounds=masked)
+        factors = softmax.update(acc_S, check_inf=self._check_inf(masked))
+        if const_expr(not self.pv_before_score_mod):
+            warpgroup.wait_group(0)  # P V done: O and P's registers are free again
+            pipe_v.consumer_release(v_state)
         softmax.rescale(acc_O, factors)
         tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
         return kv
@@ -577,9 +738,8 @@ class FlashAttentionForwardSm90:
         self._scheduler_arrive_next(wg)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(kv)
-        if const_expr(masked):
-            mask(acc_S, n_block=n_block)
-        softmax.step(acc_S, acc_O, check_inf=masked and self.causal)
+        mask(acc_S, n_block=n_block, check_bounds=masked)
+        softmax.step(acc_S, acc_O, check_inf=self._check_inf(masked))
         tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
         pipe_v.consumer_wait(kv)
         self._scheduler_sync(wg)
@@ -604,7 +764,7 @@ class FlashAttentionForwardSm90:
         cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER_WG1) + wg, number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
-    def _epilogue(self, acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, batch, seqlen_q,
+    def _epilogue(self, acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, seq: SeqlenInfo,
                   issue_next=None):
         """O /= rowsum and LSE; O -> shared memory (its own buffer when persistent, else Q's; stmatrix)
         -> global (one TMA store, left in flight until sO is needed again). ``issue_next`` is
@@ -615,9 +775,10 @@ class FlashAttentionForwardSm90:
             issue_next()
 
         # LSE: the thread holding column 0 of a row writes it
-        gLSE = cute.local_tile(mLSE[batch, head, None], (self.tile_m,), (m_block,))
+        b = seq.tensor_batch
+        gLSE = cute.local_tile(seq.q_rows(mLSE[b, head, None]), (self.tile_m,), (m_block,))
         rows = acc_to_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-        rows_left = seqlen_q - m_block * self.tile_m
+        rows_left = seq.seqlen_q - m_block * self.tile_m
         if rows[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 if rows[r, 0][0] < rows_left:
@@ -648,10 +809,15 @@ class FlashAttentionForwardSm90:
         cute.arch.fence_view_async_shared()  # the generic-proxy writes above, visible to TMA
         barrier()
         if self._issues_store(tidx):
-            if const_expr(self.persistent):
-                gO = cute.local_tile(mO[None, None, head, batch], (64, self.head_dim), (m_block * self.num_consumer_wgs + wg, 0))
+            if const_expr(self.features.varlen):
+                # the sequence's seqlen_q rows, out of bounds past them (seqlen_info.ragged_rows)
+                mO_rows = ragged_rows(mO[None, None, head, b, None], seq.offset_q, seq.seqlen_q)
             else:
-                gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+                mO_rows = mO[None, None, head, b]
+            if const_expr(self.persistent):
+                gO = cute.local_tile(mO_rows, (64, self.head_dim), (m_block * self.num_consumer_wgs + wg, 0))
+            else:
+                gO = cute.local_tile(mO_rows, (self.tile_m, self.head_dim), (m_block, 0))
             tOsO, tOgO = common.tma_tiles(atom_O, gO, sO_rows)
             cute.copy(atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()

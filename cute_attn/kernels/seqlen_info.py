@@ -1,0 +1,99 @@
+"""Where one sequence of a batch lives in the tensors, and how long it is (dense or varlen).
+
+Dense batches: q (batch, seqlen_q, heads, d), every sequence seqlen_q rows long, at row 0 of its
+batch index. Variable-length batches (FlashAttention's varlen layout) come packed: the host views
+q (total_q, heads, d) as (1, total_q, heads, d) and passes ``cu_seqlens_q`` (batch + 1 int32
+offsets); sequence b holds rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] of batch index 0. K/V the
+same with cu_seqlens_k; the LSE is (1, heads, total_q).
+
+The backward's fp32 row buffers (LSE in log2, D, the dQ accumulator) are written and read in whole
+Q blocks, so in varlen each sequence starts there at a row padded to ``VARLEN_ROW_PAD``:
+``padded_offset_q(b) = (cu_seqlens_q[b] + b * PAD) // PAD * PAD``. Consecutive sequences then own
+disjoint whole blocks of every tile_m dividing PAD, and the buffers hold
+``total_q + batch * PAD`` rows (rounded up to PAD) (``varlen_padded_rows``).
+
+``SeqlenInfo`` is read once per tile by every kernel; a dense kernel gets plain Python zeros for
+the offsets, so its code is what it was before varlen existed.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+# every kernel's tile_m (64 or 128) and the preprocess' divide it
+VARLEN_ROW_PAD = 128
+
+
+def varlen_padded_rows(total_q: int, batch: int) -> int:
+    """Rows of the backward's varlen row buffers (host side)."""
+    return -(-(total_q + batch * VARLEN_ROW_PAD) // VARLEN_ROW_PAD) * VARLEN_ROW_PAD
+
+
+class SeqlenInfo:
+    """Sequence ``batch``'s lengths and row offsets. ``mCuSeqlensQ``/``mCuSeqlensK`` None: dense,
+    the lengths are the tensors' (``seqlen_q_static``/``seqlen_k_static``)."""
+
+    def __init__(self, batch, seqlen_q_static, seqlen_k_static, mCuSeqlensQ=None, mCuSeqlensK=None):
+        self.varlen = mCuSeqlensQ is not None
+        self.batch = batch
+        if const_expr(self.varlen):
+            self.offset_q = mCuSeqlensQ[batch]
+            self.offset_k = mCuSeqlensK[batch]
+            self.seqlen_q = mCuSeqlensQ[batch + 1] - self.offset_q
+            self.seqlen_k = mCuSeqlensK[batch + 1] - self.offset_k
+            padded = (self.offset_q + batch * VARLEN_ROW_PAD) // VARLEN_ROW_PAD * VARLEN_ROW_PAD
+            self.padded_offset_q = cute.assume(padded, divby=VARLEN_ROW_PAD)
+            self.tensor_batch = Int32(0)  # the packed tensors have one batch index
+        else:
+            self.offset_q = self.offset_k = self.padded_offset_q = 0
+            self.seqlen_q, self.seqlen_k = seqlen_q_static, seqlen_k_static
+            self.tensor_batch = batch
+
+    # Tensors of one (batch, head) with the sequence mode first: shift it to the sequence's first row.
+    def q_rows(self, mX: cute.Tensor) -> cute.Tensor:
+        """``mX`` (seqlen_q, ...) of this batch index, from the sequence's first query."""
+        return _shift(mX, self.offset_q, self.varlen)
+
+    def k_rows(self, mX: cute.Tensor) -> cute.Tensor:
+        """``mX`` (seqlen_k, ...) of this batch index, from the sequence's first key."""
+        return _shift(mX, self.offset_k, self.varlen)
+
+    def padded_q_rows(self, mX: cute.Tensor) -> cute.Tensor:
+        """A backward row buffer (seqlen_q_padded, ...) from the sequence's first padded row."""
+        return _shift(mX, self.padded_offset_q, self.varlen)
+
+
+def _shift(mX: cute.Tensor, offset, varlen: bool) -> cute.Tensor:
+    if const_expr(not varlen):
+        return mX
+    return cute.domain_offset((offset,) + (None,) * (cute.rank(mX) - 1), mX)
+
+
+# ---------------------------------------------------------------------------- TMA stores in varlen
+# A TMA store clips rows at the tensor's extent, which in a packed batch is the end of the whole
+# batch, not of one sequence: a partial last tile would overwrite the next sequence's first rows.
+# ``ragged_view`` (host side) rebuilds a (seqlen, ...) tensor with a huge sequence extent RAGGED,
+# its pointer moved back by RAGGED rows, and one more mode of the row stride; ``ragged_rows``
+# (device side) picks, for a sequence of ``length`` rows at ``offset``, index offset + length in
+# that extra mode and starts the sequence mode at RAGGED - length. Row r of the sequence then has
+# coordinate RAGGED - length + r (in bounds iff r < length) at address
+# base - RAGGED + (RAGGED - length + r) + (offset + length) = base + offset + r rows.
+RAGGED = 2**30
+_RAGGED_EXTRA = 2**31 - 1
+
+
+def ragged_view(mX: cute.Tensor) -> cute.Tensor:
+    """``mX`` (seqlen, ...) of rank <= 4 with the extra mode; build the TMA atom from this."""
+    shape = (RAGGED,) + tuple(mX.shape[1:]) + (_RAGGED_EXTRA,)
+    stride = tuple(mX.stride) + (mX.stride[0],)
+    base = cute.domain_offset((-RAGGED,) + (None,) * (cute.rank(mX) - 1), mX).iterator
+    return cute.make_tensor(base, cute.make_layout(shape, stride=stride))
+
+
+def ragged_rows(mX: cute.Tensor, offset: Int32, length: Int32) -> cute.Tensor:
+    """The TMA tensor of a ``ragged_view``, as the ``length`` rows from ``offset``: (RAGGED, ...)
+    whose coordinates past ``length`` are out of bounds."""
+    rank = cute.rank(mX)
+    picked = mX[(None,) * (rank - 1) + (offset + length,)]
+    return cute.domain_offset((RAGGED - length,) + (None,) * (rank - 2), picked)
+

@@ -1,0 +1,250 @@
+"""Sliding windows, softcap, ALiBi and variable-length batches on the GPU (marker ``gpu``), forward
+and backward, against the float32 reference (reference.py), on both kernel families (``arch``).
+
+The feature sets are few on purpose (each is a kernel to compile): one feature at a time at d128,
+and at every head dim two combinations: dense window + softcap + ALiBi, and varlen + causal +
+softcap + ALiBi (``feature_keys`` lists them, for building ahead of time).
+"""
+
+import math
+
+import pytest
+import torch
+
+import cute_attn
+from cute_attn.reference import attention_backward_reference, attention_reference
+from helpers import check_close, check_lse, poisoned_like, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["sm80", "sm90"], autouse=True)
+def arch(request):
+    if request.param == "sm90" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the SM90 kernels need compute capability 9.0")
+    with cute_attn.force_arch(request.param):
+        yield request.param
+
+
+SEQLENS = [(1, 1), (17, 113), (113, 17), (129, 255), (1000, 1000), (300, 1000)]
+HEAD_DIMS = [32, 64, 96, 128, 192, 256, 72]
+
+
+def alibi(batch, heads, per_batch: bool):
+    """Fresh positive slopes, as ALiBi's geometric ones are (0.02 ... 0.5)."""
+    shape = (batch, heads) if per_batch else (heads,)
+    return torch.rand(shape, device="cuda", dtype=torch.float32) * 0.48 + 0.02
+
+
+# one feature at a time (name, causal, options); softcap 2 is far below the scores' range here, so
+# the tanh is strongly active; windows narrower than a tile and wider than several
+SINGLE = [
+    ("window", False, dict(window_size=(37, 11))),
+    ("window_wide_left_causal", True, dict(window_size=(300, -1))),
+    ("window_right_only", False, dict(window_size=(-1, 5))),
+    ("window_left_only", False, dict(window_size=(130, -1))),
+    ("softcap", True, dict(softcap=2.0)),
+    ("alibi", False, dict(alibi=False)),
+    ("alibi_per_batch_causal", True, dict(alibi=True)),
+]
+
+
+def _options(options, batch, heads):
+    options = dict(options)
+    if "alibi" in options:
+        options["alibi_slopes"] = alibi(batch, heads, options.pop("alibi"))
+    return options
+
+
+def _reference_grads(q, k, v, dout, causal, options, compute_dtype):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out, _ = attention_reference(q, k, v, causal, compute_dtype=compute_dtype, **options)
+    out.backward(dout)
+    return q.grad, k.grad, v.grad
+
+
+def check_dense(q, k, v, causal, options, case, deterministic=False):
+    """Forward and backward of one dense case, outputs and gradients poisoned before launch."""
+    out, lse = poisoned_like(q), poisoned_like(q, (q.shape[0], q.shape[2], q.shape[1]), torch.float32)
+    out, lse = cute_attn.forward(q, k, v, causal=causal, return_lse=True, out=out, **options)
+    lse = lse.clone()
+    ref, ref_lse = attention_reference(q, k, v, causal, **options)
+    same, _ = attention_reference(q, k, v, causal, compute_dtype=q.dtype, **options)
+    check_close("out", out, ref, same, 1e-4, case)
+    check_lse(lse, ref_lse, case)
+
+    dout = torch.randn_like(out)
+    dq, dk, dv = poisoned_like(q), poisoned_like(k), poisoned_like(v)
+    cute_attn.backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+                       **options)
+    ref_grads = _reference_grads(q, k, v, dout, causal, options, torch.float32)
+    same_grads = _reference_grads(q, k, v, dout, causal, options, q.dtype)
+    flash_grads = attention_backward_reference(q, k, v, dout, causal, **options)
+    for name, got, r, s, f in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, same_grads, flash_grads):
+        check_close(name, got, r, (s, f), 1e-4, case)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("name,causal,options", SINGLE, ids=[c[0] for c in SINGLE])
+def test_single_feature(name, causal, options):
+    for seqlen_q, seqlen_k in SEQLENS:
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, 6, 2, 128, torch.bfloat16)
+        opts = _options(options, 2, 6)
+        check_dense(q, k, v, causal, opts, f"{name} sq={seqlen_q} sk={seqlen_k}")
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_window_softcap_alibi_every_head_dim(head_dim):
+    for seqlen_q, seqlen_k in [(17, 113), (129, 255), (1000, 1000)]:
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 1, head_dim, torch.bfloat16)
+        options = _options(dict(softcap=5.0, alibi=True, window_size=(60, 20)), 2, 4)
+        check_dense(q, k, v, False, options, f"d={head_dim} sq={seqlen_q} sk={seqlen_k}")
+
+
+def test_all_features_fp16():
+    q, k, v = random_qkv(2, 255, 300, 4, 2, 128, torch.float16)
+    check_dense(q, k, v, False, _options(dict(softcap=5.0, alibi=False, window_size=(100, 0)), 2, 4), "fp16")
+
+
+def test_deterministic_window_is_bitwise_repeatable():
+    """A left window starts each Q block's K/V blocks past block 0 (block_info.dq_turn)."""
+    q, k, v = random_qkv(2, 1000, 1000, 8, 2, 128, torch.bfloat16)
+    options = dict(window_size=(200, 0), softcap=5.0)
+    check_dense(q, k, v, False, options, "deterministic window", deterministic=True)
+    out, lse = cute_attn.forward(q, k, v, return_lse=True, **options)
+    torch.manual_seed(0)
+    dout = torch.randn_like(out)
+    first = cute_attn.backward(dout, q, k, v, out, lse, deterministic=True, **options)
+    for _ in range(3):
+        again = cute_attn.backward(dout, q, k, v, out, lse, deterministic=True, **options)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------- varlen
+LENGTHS_Q = [0, 1, 17, 127, 129, 1000, 300, 64]
+LENGTHS_K = [5, 1, 113, 127, 0, 1000, 129, 64]  # per sequence seqlen_q != seqlen_k, a key-less one
+
+
+def packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype):
+    cu_q = torch.tensor([0] + lengths_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lengths_k, device="cuda").cumsum(0).to(torch.int32)
+    q, _, _ = random_qkv(1, sum(lengths_q), 1, heads, heads_kv, head_dim, dtype)
+    _, k, v = random_qkv(1, 1, sum(lengths_k), heads, heads_kv, head_dim, dtype)
+    return q[0], k[0], v[0], cu_q, cu_k
+
+
+def check_varlen(q, k, v, cu_q, cu_k, causal, options, case, deterministic=False):
+    """Varlen forward and backward against the dense reference run sequence by sequence."""
+    lq, lk = (c.diff().tolist() for c in (cu_q, cu_k))
+    max_q, max_k = max(lq), max(lk)
+    out = poisoned_like(q)
+    out, lse = cute_attn.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True, out=out,
+                                        **options)
+    dout = torch.randn_like(out)
+    dq, dk, dv = poisoned_like(q), poisoned_like(k), poisoned_like(v)
+    cute_attn.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
+                              deterministic=deterministic, dq=dq, dk=dk, dv=dv, **options)
+    slopes = options.get("alibi_slopes")
+    for b in range(len(lq)):
+        q0, q1, k0, k1 = cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()
+        seq_case = f"{case} seq {b} (sq={q1 - q0}, sk={k1 - k0})"
+        opts = dict(options)
+        if slopes is not None and slopes.dim() == 2:
+            opts["alibi_slopes"] = slopes[b]
+        qs, ks, vs, dos = q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1]
+        ref, ref_lse = attention_reference(qs, ks, vs, causal, **opts)
+        same, _ = attention_reference(qs, ks, vs, causal, compute_dtype=q.dtype, **opts)
+        check_close("out", out[None, q0:q1], ref, same, 1e-4, seq_case)
+        check_lse(lse[None, :, q0:q1], ref_lse, seq_case)
+        ref_grads = _reference_grads(qs, ks, vs, dos, causal, opts, torch.float32)
+        same_grads = _reference_grads(qs, ks, vs, dos, causal, opts, q.dtype)
+        flash_grads = attention_backward_reference(qs, ks, vs, dos, causal, **opts)
+        got = (dq[None, q0:q1], dk[None, k0:k1], dv[None, k0:k1])
+        for name, g, r, s, f in zip(("dq", "dk", "dv"), got, ref_grads, same_grads, flash_grads):
+            check_close(name, g, r, (s, f), 1e-4, seq_case)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen(causal, dtype):
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 6, 2, 128, dtype)
+    check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"varlen causal={causal} {dtype}")
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_varlen_causal_softcap_alibi_every_head_dim(head_dim):
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 4, 1, head_dim, torch.bfloat16)
+    options = _options(dict(softcap=5.0, alibi=True), len(LENGTHS_Q), 4)
+    check_varlen(q, k, v, cu_q, cu_k, True, options, f"d={head_dim}")
+
+
+def test_varlen_window_softcap_alibi():
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 6, 2, 128, torch.bfloat16)
+    options = _options(dict(softcap=5.0, alibi=False, window_size=(60, 20)), len(LENGTHS_Q), 6)
+    check_varlen(q, k, v, cu_q, cu_k, False, options, "varlen window")
+
+
+def test_varlen_deterministic_is_bitwise_repeatable():
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 6, 2, 128, torch.bfloat16)
+    options = dict(softcap=5.0, window_size=(60, 20), alibi_slopes=alibi(len(LENGTHS_Q), 6, True))
+    check_varlen(q, k, v, cu_q, cu_k, False, options, "varlen deterministic", deterministic=True)
+    max_q, max_k = max(LENGTHS_Q), max(LENGTHS_K)
+    out, lse = cute_attn.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **options)
+    dout = torch.randn_like(out)
+    first = cute_attn.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, deterministic=True, **options)
+    again = cute_attn.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, deterministic=True, **options)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_flash_attn_varlen_func_autograd_and_fa2_positional_order():
+    """FlashAttention-2's positional order (dropout_p, softmax_scale, causal); gradients through
+    autograd equal the direct backward."""
+    q, k, v, cu_q, cu_k = packed([33, 200, 1], [40, 200, 7], 4, 2, 64, torch.bfloat16)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    scale = 0.2
+    out, lse, probs = cute_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 200, 0.0, scale, True,
+                                                        return_attn_probs=True)
+    assert probs is None and lse.shape == (4, q.shape[0])
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    dq, dk, dv = cute_attn.varlen_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, cu_q, cu_k,
+                                           200, 200, causal=True, softmax_scale=scale)
+    assert torch.equal(q.grad, dq) and torch.equal(k.grad, dk) and torch.equal(v.grad, dv)
+    dense = cute_attn.flash_attn_func(q[None, :33], k[None, :40], v[None, :40], 0.0, scale, True)
+    check_close("out", out[None, :33].detach(), dense.detach(), dense.detach(), 1e-6, "varlen vs dense")
+    assert math.isfinite(out.float().abs().sum().item())
+
+
+def feature_keys(smem_capacity: int = 227 * 1024) -> list:
+    """The kernels this file compiles on an H100 with either kernel family (both run as target
+    sm_90a there), SM90 forward length tiers included: for building the cache ahead of time."""
+    from cute_attn.compile import backward_keys, backward_post_key, forward_key, forward_tier_siblings
+    from cute_attn.kernels.features import Features
+    from cute_attn.traits import sm90_tier_seqlen
+
+    F = Features
+    d128 = [(F(local=True), False), (F(softcap=True), True), (F(alibi=True), False), (F(alibi=True), True),
+            (F(local=True, softcap=True), False), (F(local=True, softcap=True, alibi=True, varlen=True), False)]
+    configs = [(f, c, 128, "bf16") for f, c in d128]
+    configs += [(F(varlen=True), c, 128, dt) for c in (False, True) for dt in ("bf16", "fp16")]
+    configs += [(F(local=True, softcap=True, alibi=True), False, 128, "fp16"), (F(varlen=True), True, 64, "bf16")]
+    for d in HEAD_DIMS:
+        configs += [(F(local=True, softcap=True, alibi=True), False, d, "bf16"),
+                    (F(softcap=True, alibi=True, varlen=True), True, d, "bf16")]
+    deterministic = {(F(local=True, softcap=True), False, 128, "bf16"),
+                     (F(local=True, softcap=True, alibi=True, varlen=True), False, 128, "bf16")}
+    keys: dict = {}
+    for kernel in ("sm80", "sm90"):
+        for features, causal, d, dtype in configs:
+            seqlen = sm90_tier_seqlen(1000, 1000, causal)
+            fwd = forward_key("sm_90a", dtype, d, causal, smem_capacity, kernel=kernel, seqlen=seqlen,
+                              features=features)
+            keys.update(dict.fromkeys(forward_tier_siblings(fwd)))
+            for det in (False, True) if (features, causal, d, dtype) in deterministic else (False,):
+                pre, main = backward_keys("sm_90a", dtype, d, causal, det, kernel=kernel, smem_capacity=smem_capacity,
+                                          features=features)
+                keys.update(dict.fromkeys([pre, main] + [backward_post_key(main, t) for t in main.candidates]))
+    return list(keys)
