@@ -155,3 +155,31 @@ def apply_mask_transposed(
                 high = diag_r + window_left  # queries whose window has left this key behind
                 for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
                     acc[r, c] = -Float32.inf if coord0[0, c][1] > high else acc[r, c]
+
+
+@cute.jit
+def apply_score_mods(
+    acc_S: cute.Tensor,
+    tScS: cute.Tensor,
+    tScS_thread0: cute.Tensor,
+    m_block: Int32,
+    n_block: Int32,
+    tile_m: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    causal: cutlass.Constexpr[bool],
+    softcap_scale=None,
+    window_left=None,
+    window_right=None,
+    alibi_slope=None,
+    check_bounds: cutlass.Constexpr[bool] = True,
+):
+    """The forward kernels' whole step between the S GEMM and the softmax: softcap (when
+    ``softcap_scale`` is given), then ALiBi and (``check_bounds``) the masks; nothing at all for an
+    unmasked block of a kernel without softcap and ALiBi."""
+    if const_expr(softcap_scale is not None):
+        apply_softcap(acc_S, softcap_scale)
+    if const_expr(check_bounds or alibi_slope is not None):
+        apply_mask(acc_S, tScS, tScS_thread0, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal,
+                   window_left, window_right, alibi_slope, check_bounds)

@@ -16,7 +16,6 @@ disjoint whole blocks of every tile_m dividing PAD, and the buffers hold
 the offsets, so its code is what it was before varlen existed.
 """
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 

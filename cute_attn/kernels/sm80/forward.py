@@ -25,7 +25,7 @@ from cutlass import Float32, Int32, const_expr
 from cute_attn.kernels import block_info
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, convert, transpose_smem
-from cute_attn.kernels.mask import alibi_slope_units, apply_mask, apply_softcap
+from cute_attn.kernels.mask import alibi_slope_units, apply_score_mods
 from cute_attn.kernels.seqlen_info import SeqlenInfo
 from cute_attn.kernels.softmax import OnlineSoftmax
 from cute_attn.kernels.sm80 import common
@@ -233,9 +233,10 @@ class FlashAttentionForwardSm80:
             alibi_slope = alibi_slope_units(mAlibiSlopes, seq.batch, head, softmax_scale_log2)
         # softcap, ALiBi and the masks of one S tile (mask.py), given n_block and check_bounds
         score_mod = partial(
-            self._score_mod, tScS=tScS, tScS_thread0=tScS_thread0, m_block=m_block, seqlen_q=seqlen_q,
+            apply_score_mods, tScS=tScS, tScS_thread0=tScS_thread0, m_block=m_block, tile_m=self.tile_m,
+            tile_n=self.tile_n, causal=self.causal, seqlen_q=seqlen_q,
             seqlen_k=seqlen_k, window_left=window_left, window_right=window_right, alibi_slope=alibi_slope,
-            softcap_scale=softcap_scale,
+            softcap_scale=softcap_scale if const_expr(self.features.softcap) else None,
         )
 
         load_K = partial(self._load_kv, copy_load, tKgK, tKsK, tKVcKV, seqlen_k, head_dim)
@@ -316,18 +317,6 @@ class FlashAttentionForwardSm80:
             copy_load, tXgX[None, None, None, n_block], tXsX[None, None, None, stage], tXcX,
             seqlen_k - n_block * self.tile_n, head_dim, boundary, self.check_hdim,
         )
-
-    @cute.jit
-    def _score_mod(self, acc_S: cute.Tensor, tScS, tScS_thread0, m_block: Int32, n_block: Int32, seqlen_q: Int32,
-                   seqlen_k: Int32, window_left, window_right, alibi_slope, softcap_scale: Float32,
-                   check_bounds: cutlass.Constexpr[bool]):
-        """Softcap, ALiBi and (``check_bounds``) the masks of block ``n_block``'s S (mask.py);
-        nothing at all for an unmasked block of a kernel without softcap and ALiBi."""
-        if const_expr(self.features.softcap):
-            apply_softcap(acc_S, softcap_scale)
-        if const_expr(check_bounds or alibi_slope is not None):
-            apply_mask(acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
-                       self.causal, window_left, window_right, alibi_slope, check_bounds)
 
     def _advance(self, stage: Int32) -> Int32:
         return (stage + 1) % self.num_stages

@@ -49,7 +49,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cute_attn.kernels import block_info, tile_scheduler
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
-from cute_attn.kernels.mask import alibi_slope_units, apply_mask, apply_softcap
+from cute_attn.kernels.mask import alibi_slope_units, apply_score_mods
 from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_rows, ragged_view
 from cute_attn.kernels.softmax import OnlineSoftmax
 from cute_attn.kernels.sm90 import common
@@ -521,10 +521,11 @@ class FlashAttentionForwardSm90:
         softmax = OnlineSoftmax(softmax_scale_log2, num_rows)
         # softcap, ALiBi and the masks of one S tile (mask.py); ``mask_of`` binds a tile's part
         score_mod = partial(
-            self._score_mod, tScS=tScS, tScS_thread0=tScS_thread0,
+            apply_score_mods, tScS=tScS, tScS_thread0=tScS_thread0, tile_m=self.tile_m, tile_n=self.tile_n,
+            causal=self.causal,
             window_left=window_left if const_expr(self.features.local) else None,
             window_right=window_right if const_expr(self.features.local) else None,
-            softcap_scale=softcap_scale,
+            softcap_scale=softcap_scale if const_expr(self.features.softcap) else None,
         )
         mask_of = partial(self._tile_mask, score_mod, mAlibiSlopes, softmax_scale_log2)
         num_tiles = count_tiles()
@@ -610,18 +611,6 @@ class FlashAttentionForwardSm90:
             alibi_slope = alibi_slope_units(mAlibiSlopes, seq.batch, head, softmax_scale_log2)
         return partial(score_mod, m_block=m_block, seqlen_q=seq.seqlen_q, seqlen_k=seq.seqlen_k,
                        alibi_slope=alibi_slope)
-
-    @cute.jit
-    def _score_mod(self, acc_S: cute.Tensor, tScS, tScS_thread0, m_block: Int32, n_block: Int32, seqlen_q: Int32,
-                   seqlen_k: Int32, window_left, window_right, alibi_slope, softcap_scale: Float32,
-                   check_bounds: cutlass.Constexpr[bool]):
-        """Softcap, ALiBi and (``check_bounds``) the masks of block ``n_block``'s S (mask.py);
-        nothing at all for an unmasked block of a kernel without softcap and ALiBi."""
-        if const_expr(self.features.softcap):
-            apply_softcap(acc_S, softcap_scale)
-        if const_expr(check_bounds or alibi_slope is not None):
-            apply_mask(acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
-                       self.causal, window_left, window_right, alibi_slope, check_bounds)
 
     def _check_inf(self, masked: bool) -> bool:
         """Whether a block's softmax must allow rows without any key so far: masked blocks with a

@@ -1,0 +1,103 @@
+"""First-call latency and per-call host overhead of cute_attn beside SDPA flash and FA4 (needs a GPU).
+
+    python tools/startup.py                      # d128 bf16 forward, B1 S128 H16 (host overhead) and B2 S2048 H16
+    python tools/startup.py --cache-dir DIR      # cute_attn's warm run reads this disk cache
+
+Every first call runs in a fresh Python process (``python -c``), timed inside it: ``import`` of the
+library, then the first call (CUDA context and torch's own kernels already warmed by one torch op,
+as in a real program), synchronised. Three cute_attn rows: a cold one (an empty cache directory:
+compiles), a warm one (``--cache-dir`` filled, e.g. by a cold run: loads), and a second call in
+the warm process. Host overhead: wall time per call over 2000 back-to-back calls of a tiny shape
+(B1 S128 H16 d128), where the GPU work is a few microseconds and the host's share shows.
+Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_CHILD = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+import torch
+torch.ones(1, device="cuda").add_(1); torch.cuda.synchronize()  # the CUDA context, as any program has it
+t_torch = time.perf_counter()
+which, seqlen = sys.argv[1], int(sys.argv[2])
+q, k, v = (torch.randn(1 if seqlen <= 128 else 2, seqlen, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+torch.cuda.synchronize()
+t1 = time.perf_counter()
+if which == "cute_attn":
+    import cute_attn
+    fn = lambda: cute_attn.forward(q, k, v, causal=True)
+elif which == "sdpa":
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    def fn():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+else:
+    from flash_attn.cute import flash_attn_func
+    fn = lambda: flash_attn_func(q, k, v, causal=True)
+t2 = time.perf_counter()
+fn(); torch.cuda.synchronize()
+t3 = time.perf_counter()
+fn(); torch.cuda.synchronize()
+t4 = time.perf_counter()
+for _ in range(20):
+    fn()
+torch.cuda.synchronize()
+t5 = time.perf_counter()
+for _ in range(2000):
+    fn()
+torch.cuda.synchronize()
+t6 = time.perf_counter()
+print(json.dumps(dict(import_s=t2 - t1, first_s=t3 - t2, second_s=t4 - t3, per_call_us=(t6 - t5) / 2000 * 1e6)))
+"""
+
+
+def run(which: str, seqlen: int, env: dict) -> dict | None:
+    proc = subprocess.run([sys.executable, "-c", _CHILD, which, str(seqlen)], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        print(f"# {which} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}",
+              file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cache-dir", default=None, help="cute_attn's warm disk cache (default: a fresh one, filled by the cold run)")
+    p.add_argument("--seqlens", type=int, nargs="+", default=[128, 2048])
+    args = p.parse_args(argv)
+    import torch
+
+    base = dict(os.environ)
+    rows = []
+    for s in args.seqlens:
+        with tempfile.TemporaryDirectory(prefix="cute_attn_cold_") as cold:
+            warm = args.cache_dir or cold
+            rows.append(("SDPA flash", s, run("sdpa", s, base)))
+            rows.append(("FA4 (CuTe DSL)", s, run("fa4", s, base)))
+            if not args.cache_dir:
+                rows.append(("cute_attn cold (empty disk cache)", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": cold})))
+            rows.append(("cute_attn warm (disk cache filled)", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": warm})))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 d128 heads 16 causal forward, "
+          f"fresh process per row\n")
+    print("| implementation | B x S | import (s) | first call (s) | second call (ms) | per call, 2000 calls (us) |")
+    print("|---|---|---|---|---|---|")
+    for name, s, r in rows:
+        if r is None:
+            print(f"| {name} | {1 if s <= 128 else 2} x {s} | - | - | - | - |")
+            continue
+        print(f"| {name} | {1 if s <= 128 else 2} x {s} | {r['import_s']:.2f} | {r['first_s']:.2f} | "
+              f"{r['second_s'] * 1e3:.2f} | {r['per_call_us']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
