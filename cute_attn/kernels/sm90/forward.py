@@ -315,16 +315,14 @@ class FlashAttentionForwardSm90:
                      heads_per_section: Int32, tile: Int32):
         """(m_block, head, batch) of tile number ``tile``."""
         num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q)
-        if const_expr(self.causal and not self.features.varlen):
-            # longest tiles first, in L2-sized sections of heads
+        if const_expr(self.causal):
+            # longest tiles first, in L2-sized sections of heads. Varlen: Q block m of every
+            # sequence long enough to have one, the longest sequences' last blocks first (tiles
+            # past a sequence's end are skipped at once)
             m_block, head, batch = tile_scheduler.tile_coords(tile, num_m_blocks, heads, batches, heads_per_section)
         else:
             pair = tile // num_m_blocks
             m_block, head, batch = tile - pair * num_m_blocks, pair % heads, pair // heads
-            if const_expr(self.causal):
-                # varlen: sequences differ in length, so there is no global longest-first order;
-                # within a head the last Q block (the longest) still comes first
-                m_block = num_m_blocks - 1 - m_block
         return m_block, head, batch
 
     @cute.jit
