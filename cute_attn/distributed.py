@@ -72,18 +72,19 @@ def gather_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", dim: in
 
 
 # ---------------------------------------------------------------------------- local attention
-def _local_forward(q, k, v, causal: bool, scale: float):
+def _local_forward(q, k, v, causal: bool, scale: float, softcap: float):
     """(out, lse) of one step: cute_attn's forward kernel (the CPU tests put the reference here)."""
     from cute_attn import interface
 
-    return interface.forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    return interface.forward(q, k, v, causal=causal, softmax_scale=scale, softcap=softcap, return_lse=True)
 
 
-def _local_backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool):
-    """(dq, dk, dv) shares of one step, from the merged out and lse: cute_attn's backward kernel."""
+def _local_backward(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, softcap: float):
+    """(dq, dk, dv) shares of one step, from the merged out and lse: cute_attn's backward kernel
+    (it recomputes each score, capped, and its probability from the merged lse)."""
     from cute_attn import interface
 
-    return interface.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+    return interface.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, softcap=softcap,
                               deterministic=deterministic)
 
 
@@ -147,7 +148,7 @@ def _merge(out, lse, part_out, part_lse, rows):
     acc_lse.copy_(new_lse)
 
 
-def _ring_forward(q, k, v, group, causal, scale, layout):
+def _ring_forward(q, k, v, group, causal, scale, layout, softcap):
     world, rank = _world(group)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -160,7 +161,7 @@ def _ring_forward(q, k, v, group, causal, scale, layout):
         if plan is not None:
             step_causal, rows, keys = plan
             part_out, part_lse = _local_forward(_part(q, rows), _part(kv[0], keys), _part(kv[1], keys),
-                                                step_causal, scale)
+                                                step_causal, scale, softcap)
             _merge(out, lse, part_out, part_lse.to(acc_dtype), rows)
         if pending is not None:
             kv = tuple(_Ring.finish(pending))
@@ -168,7 +169,7 @@ def _ring_forward(q, k, v, group, causal, scale, layout):
     return out.to(q.dtype), lse.to(acc_dtype)  # fp32 (fp64 only for the CPU tests' fp64 inputs)
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout, deterministic):
+def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout, deterministic, softcap):
     world, rank = _world(group)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -186,7 +187,8 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout, determ
         if plan is not None:
             step_causal, rows, keys = plan
             part = _local_backward(_part(dout, rows), _part(q, rows), _part(k_here, keys), _part(v_here, keys),
-                                   _part(out, rows), _part(lse, rows, dim=2), step_causal, scale, deterministic)
+                                   _part(out, rows), _part(lse, rows, dim=2), step_causal, scale, deterministic,
+                                   softcap)
             _part(dq, rows).add_(part[0])
         if dkv_pending is not None:  # the accumulators of the slice in hand
             dk_acc, dv_acc = _Ring.finish(dkv_pending)
@@ -204,20 +206,20 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout, determ
 
 class _RingFlashAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, layout, deterministic):
-        out, lse = _ring_forward(q, k, v, group, causal, scale, layout)
+    def forward(ctx, q, k, v, group, causal, scale, layout, deterministic, softcap):
+        out, lse = _ring_forward(q, k, v, group, causal, scale, layout, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, scale, layout, deterministic)
+        ctx.args = (group, causal, scale, layout, deterministic, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, layout, deterministic = ctx.args
+        group, causal, scale, layout, deterministic, softcap = ctx.args
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, group, causal, scale, layout,
-                                    deterministic)
-        return dq, dk, dv, None, None, None, None, None
+                                    deterministic, softcap)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ring_flash_attn_func(q, k, v, *, group=None, causal: bool = False, softmax_scale: float | None = None,
@@ -228,20 +230,23 @@ def ring_flash_attn_func(q, k, v, *, group=None, causal: bool = False, softmax_s
     q (batch, seqlen / world, heads, d) and k, v (batch, seqlen / world, heads_kv, d) are this rank's
     slices in ``layout`` (``shard_sequence``); returns this rank's slice of the output (and, with
     ``return_lse``, of the LSE (batch, heads, seqlen / world)), with autograd. Every rank calls it
-    with the same arguments. ``causal`` is over the whole sequence. window_size and softcap are not
-    supported by the ring yet (the kernels have them; a window also needs per-step key offsets)."""
+    with the same arguments. ``causal`` is over the whole sequence; ``softcap`` as in
+    ``flash_attn_func`` (exact: each step caps its own scores, the merge goes through their LSE).
+    window_size is not supported by the ring yet (each step would need its keys' offset)."""
     _check_layout(layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise TypeError(f"{name} must be a 4-dim torch.Tensor (batch, seqlen / world, heads, head_dim)")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if tuple(window_size) != (-1, -1) or softcap:
-        raise NotImplementedError("ring_flash_attn_func: window_size and softcap are not supported by the ring yet")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError("ring_flash_attn_func: window_size is not supported by the ring yet")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0: off), got {softcap!r}")
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold slices of one sequence (equal lengths), got {q.shape[1]} and {k.shape[1]}")
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout 'zigzag' needs an even slice length (two pieces), got {q.shape[1]}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    out, lse = _RingFlashAttn.apply(q, k, v, group, causal, scale, layout, deterministic)
+    out, lse = _RingFlashAttn.apply(q, k, v, group, causal, scale, layout, deterministic, float(softcap))
     return (out, lse) if return_lse else out

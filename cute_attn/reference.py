@@ -176,10 +176,11 @@ def attention_block_backward_reference(
     lse: torch.Tensor,
     causal: bool = False,
     softmax_scale: float | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernels' contract: (dq, dk, dv) from given out and lse, which may come from a
     larger attention (all keys of a ring, say): P = exp(S * scale - lse), D = rowsum(dO * out),
-    dS = P * (dP - D). For the out and lse of these q, k, v alone it is the plain backward; for a
+    dS = P * (dP - D) (with ``softcap``: the capped scores, dS through the tanh). For the out and lse of these q, k, v alone it is the plain backward; for a
     slice of the keys it gives that slice's exact share. In q's dtype, computed in float64."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -187,8 +188,8 @@ def attention_block_backward_reference(
     group = heads // heads_kv
     qd, dod, od = q.double(), dout.double(), out.double()
     kd, vd = (t.double().repeat_interleave(group, dim=2) for t in (k, v))
-    scores, _ = _scores(qd, kd, scale, seqlen_q, seqlen_k, causal, (-1, -1), 0.0, None)
+    scores, tanh = _scores(qd, kd, scale, seqlen_q, seqlen_k, causal, (-1, -1), softcap, None)
     lse_d = lse.double().masked_fill(torch.isinf(lse), math.inf)[..., None]  # +inf rows: P = 0
     probs = torch.exp(scores - lse_d).nan_to_num(0.0)
-    dq, dk, dv = _flash_gradients(probs, od, qd, kd, vd, dod, scale, heads_kv)
+    dq, dk, dv = _flash_gradients(probs, od, qd, kd, vd, dod, scale, heads_kv, tanh)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -13,12 +13,12 @@ from cute_attn import distributed as cp
 from cute_attn.reference import attention_block_backward_reference, attention_reference
 
 
-def _reference_forward(q, k, v, causal, scale):
-    return attention_reference(q, k, v, causal, scale, compute_dtype=torch.float64)
+def _reference_forward(q, k, v, causal, scale, softcap):
+    return attention_reference(q, k, v, causal, scale, compute_dtype=torch.float64, softcap=softcap)
 
 
-def _reference_backward(dout, q, k, v, out, lse, causal, scale, deterministic):
-    return attention_block_backward_reference(dout, q, k, v, out, lse, causal, scale)
+def _reference_backward(dout, q, k, v, out, lse, causal, scale, deterministic, softcap):
+    return attention_block_backward_reference(dout, q, k, v, out, lse, causal, scale, softcap)
 
 
 def _free_port() -> int:
@@ -32,21 +32,21 @@ def _worker(rank, world, port, cases):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cp._local_forward, cp._local_backward = _reference_forward, _reference_backward
     try:
-        for layout, causal, heads, heads_kv in cases:
+        for layout, causal, heads, heads_kv, softcap in cases:
             torch.manual_seed(0)  # every rank builds the same full tensors
             seqlen = 12 * world
             q = torch.randn(2, seqlen, heads, 16, dtype=torch.float64, requires_grad=True)
             k = torch.randn(2, seqlen, heads_kv, 16, dtype=torch.float64, requires_grad=True)
             v = torch.randn(2, seqlen, heads_kv, 16, dtype=torch.float64, requires_grad=True)
             dout = torch.randn(2, seqlen, heads, 16, dtype=torch.float64)
-            ref_out, ref_lse = attention_reference(q, k, v, causal, 0.3, compute_dtype=torch.float64)
+            ref_out, ref_lse = attention_reference(q, k, v, causal, 0.3, compute_dtype=torch.float64, softcap=softcap)
             ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
 
             shards = [cp.shard_sequence(t.detach(), layout=layout).requires_grad_() for t in (q, k, v)]
             out, lse = cp.ring_flash_attn_func(*shards, causal=causal, softmax_scale=0.3, layout=layout,
-                                               return_lse=True)
+                                               softcap=softcap, return_lse=True)
             grads = torch.autograd.grad(out, shards, cp.shard_sequence(dout, layout=layout))
-            case = f"world={world} {layout} causal={causal} heads={heads}/{heads_kv}"
+            case = f"world={world} {layout} causal={causal} heads={heads}/{heads_kv} softcap={softcap}"
             torch.testing.assert_close(cp.gather_sequence(out, layout=layout), ref_out, msg=case)
             torch.testing.assert_close(cp.gather_sequence(lse, layout=layout, dim=2), ref_lse, msg=case)
             for name, got, want in zip("qkv", grads, ref_grads):
@@ -57,8 +57,10 @@ def _worker(rank, world, port, cases):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_equals_single_process_attention(world):
-    cases = [(layout, causal, heads, heads_kv) for layout in cp.LAYOUTS for causal in (False, True)
+    # softcap 1.0: far below these scores' range (|q k| * 0.3 reaches ~5), so the tanh is active
+    cases = [(layout, causal, heads, heads_kv, 0.0) for layout in cp.LAYOUTS for causal in (False, True)
              for heads, heads_kv in ((2, 2), (4, 2))]
+    cases += [(layout, causal, 4, 2, 1.0) for layout in cp.LAYOUTS for causal in (False, True)]
     mp.spawn(_worker, args=(world, _free_port(), cases), nprocs=world, join=True)
 
 
@@ -76,8 +78,10 @@ def test_layouts_round_trip_and_argument_checks():
         with pytest.raises(ValueError, match="layout must be one of"):
             cp.shard_sequence(x, layout="striped")
         q = torch.zeros(1, 8, 2, 16)
-        with pytest.raises(NotImplementedError, match="window_size and softcap"):
+        with pytest.raises(NotImplementedError, match="window_size is not supported"):
             cp.ring_flash_attn_func(q, q, q, window_size=(4, 0))
+        with pytest.raises(ValueError, match="softcap must be a finite number"):
+            cp.ring_flash_attn_func(q, q, q, softcap=-1.0)
         with pytest.raises(TypeError, match="causal must be a bool"):
             cp.ring_flash_attn_func(q, q, q, causal=1)
         with pytest.raises(ValueError, match="equal lengths"):
