@@ -431,15 +431,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     _check_lse(lse, q)
     opts = _score_options(causal, softmax_scale, q.shape[3], window_size, softcap, alibi_slopes is not None)
     slopes = _alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if t is not None:
-            _check_out(name, t, like)
-    _check_cuda("q", q)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    dq, dk, dv = _gradient_buffers(q, k, v, dq, dk, dv, deterministic)
     if q.numel() == 0 or k.numel() == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv
@@ -463,15 +455,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     opts = _score_options(causal, softmax_scale, q.shape[2], window_size, softcap, alibi_slopes is not None,
                           varlen=True)
     slopes = _alibi_slopes(alibi_slopes, batch, q.shape[1], q.device)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if t is not None:
-            _check_out(name, t, like)
-    _check_cuda("q", q)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if dq is None else dq
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if dk is None else dk
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if dv is None else dv
+    dq, dk, dv = _gradient_buffers(q, k, v, dq, dk, dv, deterministic)
     if q.numel() == 0 or k.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv
@@ -480,6 +464,19 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     launch(dout.unsqueeze(0), q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), dq.unsqueeze(0), dk.unsqueeze(0),
            dv.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, slopes)
     return dq, dk, dv
+
+
+def _gradient_buffers(q, k, v, dq, dk, dv, deterministic):
+    """The last checks of a backward call (deterministic, the given gradient buffers, the device)
+    and (dq, dk, dv): the given ones, the others allocated like q, k, v."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if t is not None:
+            _check_out(name, t, like)
+    _check_cuda("q", q)
+    return tuple(torch.empty(like.shape, dtype=like.dtype, device=like.device) if t is None else t
+                 for t, like in ((dq, q), (dk, k), (dv, v)))
 
 
 _BACKWARD_LAUNCHES: dict = {}  # as _FORWARD_LAUNCHES, for ``backward``

@@ -26,10 +26,6 @@ class Features:
         """For kernel names: '_local_softcap', '' when none."""
         return "".join(f"_{name}" for name in ("local", "softcap", "alibi", "varlen") if getattr(self, name))
 
-    @property
-    def any(self) -> bool:
-        return self.local or self.softcap or self.alibi or self.varlen
-
 
 NO_FEATURES = Features()
 

@@ -49,6 +49,14 @@ def alibi_slope_units(mAlibiSlopes: cute.Tensor, batch, head, softmax_scale_log2
 
 
 @cute.jit
+def _add_alibi(acc: cute.Tensor, coord0: cute.Tensor, r: cutlass.Constexpr[int], diag_r: Int32, alibi_slope: Float32):
+    """Row ``r`` of a (rows, cols) accumulator view += -slope * |diagonal - column|: ``diag_r`` is
+    the column (in thread 0's coordinates) where this row's query and key coincide (i' = j)."""
+    for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
+        acc[r, c] = acc[r, c] - alibi_slope * Float32(cutlass.max(diag_r - coord0[0, c][1], coord0[0, c][1] - diag_r))
+
+
+@cute.jit
 def apply_mask(
     acc_S: cute.Tensor,
     tScS: cute.Tensor,
@@ -88,8 +96,7 @@ def apply_mask(
     for r in cutlass.range_constexpr(cute.size(acc.shape[0])):
         diag_r = diagonal + coord0[r, 0][0]
         if const_expr(alibi_slope is not None):
-            for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
-                acc[r, c] = acc[r, c] - alibi_slope * Float32(cutlass.max(diag_r - coord0[0, c][1], coord0[0, c][1] - diag_r))
+            _add_alibi(acc, coord0, r, diag_r, alibi_slope)
         if const_expr(check_bounds):
             # keys at tile column >= limit are past seqlen_k or right of the diagonal / window
             limit = seqlen_limit
@@ -139,8 +146,7 @@ def apply_mask_transposed(
     for r in cutlass.range_constexpr(cute.size(acc.shape[0])):
         diag_r = diagonal + coord0[r, 0][0]
         if const_expr(alibi_slope is not None):
-            for c in cutlass.range_constexpr(cute.size(acc.shape[1])):
-                acc[r, c] = acc[r, c] - alibi_slope * Float32(cutlass.max(diag_r - coord0[0, c][1], coord0[0, c][1] - diag_r))
+            _add_alibi(acc, coord0, r, diag_r, alibi_slope)
         if const_expr(check_bounds):
             # tile columns below ``limit`` cannot see this row's key; a key past seqlen_k hides from all
             limit = Int32(-1)
