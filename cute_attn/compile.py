@@ -38,6 +38,7 @@ from cute_attn.traits import (
     Sm90ForwardTraits,
     padded_head_dim,
     sm80_backward_traits,
+    sm80_decode_traits,
     sm80_forward_traits,
     sm90_backward_traits,
     sm90_forward_traits,
@@ -72,12 +73,19 @@ class ForwardKey:
 
 
 def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capacity: int | None = None,
-                traits=None, kernel: str = "sm80", seqlen: int = 0, features: Features = NO_FEATURES) -> ForwardKey:
+                traits=None, kernel: str = "sm80", seqlen: int = 0, features: Features = NO_FEATURES,
+                page_size: int = 0) -> ForwardKey:
     """The forward variant for these parameters. ``kernel="sm90"`` (only for target sm_90a) falls
     back to the SM80 kernel where the SM90 table has no entry that fits ``smem_capacity``; explicit
     ``traits`` pick the family they belong to. ``seqlen`` (traits.sm90_tier_seqlen) picks the SM90
     table's tier (it runs other tiles and grids on short and long sequences); varlen passes
-    max_seqlen_q. ``features``: the optional features compiled in (kernels/features.py)."""
+    max_seqlen_q. ``features``: the optional features compiled in (kernels/features.py); the
+    decode features (KV cache, paged, split-KV, packed GQA) run the SM80-family kernel with the
+    decode traits on every GPU, tile_n dividing ``page_size`` when paged."""
+    if features.decode:
+        if traits is None:
+            traits = sm80_decode_traits(head_dim, smem_capacity, page_size)
+        return _forward_key(target, dtype, head_dim, causal, None, traits, "sm80", 0, features)
     # every sequence length of a tier maps to one cached key
     tier = sm90_seqlen_tier(head_dim, causal, seqlen) if kernel == "sm90" and traits is None else 0
     return _forward_key(target, dtype, head_dim, causal, smem_capacity, traits, kernel, tier, features)
@@ -87,7 +95,9 @@ def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capac
 def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capacity: int | None,
                  traits, kernel: str, seqlen: int, features: Features = NO_FEATURES) -> ForwardKey:
     padded = padded_head_dim(head_dim)
-    if traits is not None:
+    if isinstance(traits, tuple):  # SM80 candidates (the decode traits)
+        kernel, candidates = "sm80", traits
+    elif traits is not None:
         kernel, candidates = ("sm90" if isinstance(traits, Sm90ForwardTraits) else "sm80"), (traits,)
         if smem_capacity and traits.smem_bytes() > smem_capacity:
             raise ValueError(f"traits {traits.spec} need {traits.smem_bytes()} bytes of shared memory, "
@@ -196,22 +206,24 @@ def _cutlass_dtype(name: str):
     return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[name]
 
 
-def _fake_attention_tensors(dtype):
+def _fake_attention_tensors(dtype, kv_batch_own: bool = False):
     """Fake (batch, seqlen, heads, head_dim) tensors with symbolic shapes and strides: the last dim
-    is contiguous and every other stride a multiple of 8 elements (16 bytes), as validated."""
+    is contiguous and every other stride a multiple of 8 elements (16 bytes), as validated.
+    ``kv_batch_own``: K/V's first mode is not q's batch (a KV cache's batch rows, or its pages)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
     sym = cute.sym_int
     batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim = (sym() for _ in range(6))
+    kv_batch = sym() if kv_batch_own else batch
 
-    def bshd(seqlen, nheads):
+    def bshd(seqlen, nheads, b=batch):
         stride = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
-        return make_fake_tensor(dtype, (batch, seqlen, nheads, head_dim), stride=stride, assumed_align=16)
+        return make_fake_tensor(dtype, (b, seqlen, nheads, head_dim), stride=stride, assumed_align=16)
 
     q, o = bshd(seqlen_q, heads), bshd(seqlen_q, heads)
-    k, v = bshd(seqlen_k, heads_kv), bshd(seqlen_k, heads_kv)
+    k, v = bshd(seqlen_k, heads_kv, kv_batch), bshd(seqlen_k, heads_kv, kv_batch)
     lse = make_fake_tensor(
         cutlass.Float32, (batch, heads, seqlen_q), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
     )
@@ -271,6 +283,33 @@ def _fake_feature_args(features: Features) -> tuple:
         slopes = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
                                   assumed_align=4)
     return (cu_q, cu_k, slopes, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
+
+
+def _fake_decode_args(features: Features) -> tuple:
+    """What the SM80 forward takes after ``_fake_feature_args`` (before the stream): the KV cache's
+    cache_seqlens, cache_leftpad, cache_batch_idx ((batch,) int32, kvcache only), the block table
+    ((batch, max_pages) int32, paged only), the split-KV accumulators (O (splits, batch, seqlen_q,
+    heads, d) and LSE (splits, batch, heads, seqlen_q) fp32, contiguous; split only) and num_splits."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    per_seq = (None, None, None)
+    if features.kvcache:
+        batch = sym()
+        per_seq = tuple(make_fake_tensor(cutlass.Int32, (batch,), stride=(1,), assumed_align=4) for _ in range(3))
+    table = None
+    if features.paged:
+        table = make_fake_tensor(cutlass.Int32, (sym(), sym()), stride=(sym64(), 1), assumed_align=4)
+    o_accum = lse_accum = None
+    if features.split:
+        splits, batch, seqlen_q, heads, head_dim = (sym() for _ in range(5))
+        o_accum = make_fake_tensor(cutlass.Float32, (splits, batch, seqlen_q, heads, head_dim),
+                                   stride=(sym64(), sym64(), sym64(), sym64(), 1), assumed_align=16)
+        lse_accum = make_fake_tensor(cutlass.Float32, (splits, batch, heads, seqlen_q),
+                                     stride=(sym64(), sym64(), sym64(), 1), assumed_align=4)
+    return (*per_seq, table, o_accum, lse_accum, cutlass.Int32(1))
 
 
 def _fake_row_kernel_args(varlen: bool) -> tuple:
@@ -390,13 +429,14 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
         ptxas = ""
     else:
         raise ValueError(f"unknown forward kernel family {key.kernel!r}")
-    q, k, v, o, lse = _fake_attention_tensors(dtype)
+    q, k, v, o, lse = _fake_attention_tensors(dtype, kv_batch_own=key.features.kvcache)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     # the SM90 kernel also takes the number of SMs (the size of a persistent grid) and the causal
     # tile order's heads per section
     extra = (cutlass.Int32(132), cutlass.Int32(1)) if key.kernel == "sm90" else ()
-    return _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), *extra, *_fake_feature_args(key.features), stream,
-                    target=key.target, keep_artifacts=keep_artifacts, ptxas_options=ptxas)
+    decode = _fake_decode_args(key.features) if key.kernel == "sm80" else ()  # KV cache, split-KV
+    return _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), *extra, *_fake_feature_args(key.features),
+                    *decode, stream, target=key.target, keep_artifacts=keep_artifacts, ptxas_options=ptxas)
 
 
 def default_cache_dir() -> str | None:
@@ -564,6 +604,8 @@ def build(key, keep_artifacts: bool = False):
     """Compile any kernel key (forward, backward main, backward pre/postprocess)."""
     if isinstance(key, ForwardKey):
         return build_forward(key, keep_artifacts)
+    if isinstance(key, CombineKey):
+        return build_combine(key, keep_artifacts)
     return build_backward(key, keep_artifacts)
 
 
@@ -643,3 +685,62 @@ def backward_variants(
                                 for chosen in main.candidates:  # whichever the main kernel ends up with
                                     keys[backward_post_key(main, chosen)] = None
     return list(keys)
+
+
+# ---------------------------------------------------------------------------- split-KV combine
+@dataclass(frozen=True)
+class CombineKey:
+    """The split-KV combine (kernels/combine.py): merges the fp32 partial O and LSE of the splits.
+    num_splits, batch, seqlen_q, heads and the actual head dim are run-time values."""
+
+    target: str
+    dtype: str
+    head_dim: int  # padded head dim
+    check_hdim: bool  # actual head dim < padded head dim
+
+    @property
+    def name(self) -> str:
+        return f"combine_{self.target}_{self.dtype}_d{self.head_dim}{'_padded' if self.check_hdim else ''}"
+
+
+def combine_key(target: str, dtype: str, head_dim: int) -> CombineKey:
+    """The combine kernel for outputs of head dim ``head_dim`` (the actual one)."""
+    padded = padded_head_dim(head_dim)
+    return CombineKey(target, dtype, padded, head_dim != padded)
+
+
+def _fake_combine_tensors(dtype):
+    """o_accum (splits, batch, seqlen_q, heads, d) and lse_accum (splits, batch, heads, seqlen_q) fp32
+    (contiguous; any strides with the last one 1 and the others 16-byte multiples for o_accum), o
+    (batch, seqlen_q, heads, d) like q and lse (batch, heads, seqlen_q), all shapes symbolic."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    splits, batch, seqlen_q, heads, head_dim = (sym() for _ in range(5))
+    f32 = cutlass.Float32
+    o_accum = make_fake_tensor(f32, (splits, batch, seqlen_q, heads, head_dim),
+                               stride=tuple(sym64(divisibility=4) for _ in range(4)) + (1,), assumed_align=16)
+    lse_accum = make_fake_tensor(f32, (splits, batch, heads, seqlen_q), stride=(sym64(), sym64(), sym64(), 1),
+                                 assumed_align=4)
+    o = make_fake_tensor(dtype, (batch, seqlen_q, heads, head_dim),
+                         stride=tuple(sym64(divisibility=8) for _ in range(3)) + (1,), assumed_align=16)
+    lse = make_fake_tensor(f32, (batch, heads, seqlen_q), stride=(sym64(), sym64(), 1), assumed_align=4)
+    return o_accum, lse_accum, o, lse
+
+
+def build_combine(key: CombineKey, keep_artifacts: bool = False):
+    """Compile the split-KV combine for ``key`` (no GPU needed). The result is called as
+    ``fn(o_accum, lse_accum, out, lse)`` with torch tensors, on torch's current stream."""
+    import cutlass.cute as cute
+
+    from cute_attn.kernels.combine import SplitCombine
+
+    kernel = SplitCombine(_cutlass_dtype(key.dtype), key.head_dim, key.check_hdim)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return _compile(kernel, *_fake_combine_tensors(_cutlass_dtype(key.dtype)), stream, target=key.target,
+                    keep_artifacts=keep_artifacts)
+
+
+combine_cache = KernelCache(build_combine, default_cache_dir())

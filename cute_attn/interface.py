@@ -6,6 +6,7 @@ TypeError naming the argument, what was given and what is expected.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -252,10 +253,30 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale: float | None = None
         out.zero_()
         lse.fill_(math.inf)
     else:
-        launch = _forward_launcher(q, k, opts, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1])
+        if _underfilled(q, k):  # few query rows, many keys: split-KV (the decode kernel)
+            split = _decode_launcher(q, k, opts, k.shape[1], 0, kvcache=False)
+            launch = lambda q, k, v, out, lse, cu_q, cu_k, slopes: split(q, k, v, out, lse, slopes, None)  # noqa: E731
+        else:
+            launch = _forward_launcher(q, k, opts, max_seqlen_q=seqlen_q, max_seqlen_k=k.shape[1])
         launch(q, k, v, out, lse, None, None, slopes)
         _remember(_FORWARD_LAUNCHES, signature, launch)
     return (out, lse) if return_lse else out
+
+
+# forward's split-KV path: at most this many query rows, at least this many keys
+_SPLIT_MAX_SEQLEN_Q = 128
+_SPLIT_MIN_SEQLEN_K = 1024
+
+
+def _underfilled(q, k) -> bool:
+    """Whether the dense forward's grid (128-row Q blocks x heads x batch) would leave more than
+    half of the GPU's SMs idle on a long key range: then forward runs split-KV instead (the path
+    of ``flash_attn_with_kvcache``), which cuts the keys over more CTAs."""
+    batch, seqlen_q, heads, _ = q.shape
+    if seqlen_q > _SPLIT_MAX_SEQLEN_Q or k.shape[1] < _SPLIT_MIN_SEQLEN_K:
+        return False
+    ctas = -(-seqlen_q // 128) * heads * batch
+    return 2 * ctas <= dispatch.plan_for_device(q.device).num_sms
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -370,6 +391,171 @@ def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, m
             kernel(q, k, v, out, lse, scale_log2, *extra, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *scalars)
 
     return launch
+
+
+# ---------------------------------------------------------------------------- KV-cache decode, split-KV
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes=None, num_splits: int = 0,
+                            return_softmax_lse: bool = False):
+    """Attention of q over a KV cache, FlashAttention-2's ``flash_attn_with_kvcache`` (inference:
+    no autograd).
+
+    q (batch, seqlen_q, heads, d); k_cache/v_cache (batch_cache, seqlen_cache, heads_kv, d), or
+    paged (num_pages, page_size, heads_kv, d) with block_table (batch, max_pages) int32 (page_size a
+    multiple of 16). Sequence b attends to cache rows cache_leftpad[b] : cache_seqlens[b] (+
+    seqlen_new) of cache row cache_batch_idx[b]; cache_seqlens None (the whole cache), an int or
+    (batch,) int32. k/v (batch, seqlen_new, heads_kv, d), when given, are first written into the
+    caches in place at rows cache_seqlens[b]:, rotated with rotary_cos/sin (seqlen_ro, rotary_dim
+    / 2) when given (q too: at cache_seqlens[b] + i when causal or windowed, else at
+    cache_seqlens[b]; ``rotary_interleaved`` pairs columns (0, 1), (2, 3)... or GPT-NeoX's (j, j +
+    rotary_dim / 2)). causal / window_size / softcap / alibi_slopes as ``forward``, over each
+    sequence's keys (bottom-right aligned). num_splits: split-KV pieces (0: chosen by
+    ``decode_num_splits``, 1: none). Returns out (like q) and, with return_softmax_lse, lse (batch,
+    heads, seqlen_q) fp32. No host synchronisation: a decode step can be captured in a CUDA graph
+    and replayed with new cache_seqlens values; new lengths never compile.
+    """
+    from cute_attn import kvcache
+
+    if torch.compiler.is_compiling():  # traced as the custom op (integrations/custom_ops.py)
+        from cute_attn.integrations import custom_ops as ops
+
+        as_int = cache_seqlens if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) else None
+        out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                   None if as_int is not None else cache_seqlens, as_int, cache_batch_idx,
+                                   cache_leftpad, block_table, softmax_scale, causal, *_op_window(window_size),
+                                   float(softcap), rotary_interleaved, alibi_slopes, num_splits)
+        return (out, lse) if return_softmax_lse else out
+    # a plain decode step like an earlier valid one (no append; same types, shapes, strides and
+    # options) skips the checks and the kernel lookup: the per-token path of a serving loop
+    fast = k is None and v is None and rotary_cos is None and rotary_sin is None
+    if fast:
+        tensors = (q, k_cache, v_cache)
+        index = tuple(t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table, alibi_slopes)
+                      if isinstance(t, torch.Tensor))
+        options = (None if isinstance(cache_seqlens, torch.Tensor) else cache_seqlens, cache_batch_idx is None,
+                   cache_leftpad is None, block_table is None, alibi_slopes is None, softmax_scale, causal,
+                   window_size, softcap, num_splits, return_softmax_lse)
+        signature = _signature(tensors + index, options)
+        hit = _DECODE_LAUNCHES.get(signature)
+        if hit is not None and _aligned(tensors):
+            launch, seqused, leftpad, batch_idx, lse_shape = hit
+            seqused = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else seqused
+            leftpad = cache_leftpad if cache_leftpad is not None else leftpad
+            batch_idx = cache_batch_idx if cache_batch_idx is not None else batch_idx
+            slopes = None if alibi_slopes is None else _alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+            launch(q, k_cache, v_cache, out, lse, slopes, (seqused, leftpad, batch_idx, block_table))
+            return (out, lse) if return_softmax_lse else out
+
+    plan = kvcache.check_kvcache_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                      cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, num_splits)
+    opts = _score_options(causal, softmax_scale, plan.head_dim, window_size, softcap, alibi_slopes is not None)
+    slopes = _alibi_slopes(alibi_slopes, plan.batch, plan.heads, q.device)
+    if not isinstance(return_softmax_lse, bool):
+        raise TypeError(f"return_softmax_lse must be a bool, got {type(return_softmax_lse).__name__}")
+    _check_cuda("q", q)
+    if plan.seqlen_new:  # the new keys into the caches (q rotated in the same pass)
+        q = kvcache.append_kv(plan, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved=rotary_interleaved,
+                              q=q, causal_or_local=opts.causal or opts.features.local)
+    device, batch = q.device, plan.batch
+    seqused = plan.cache_seqlens + plan.seqlen_new if plan.seqlen_new else plan.cache_seqlens
+    leftpad = plan.cache_leftpad if plan.cache_leftpad is not None else kvcache._filled(0, batch, device)
+    batch_idx = plan.cache_batch_idx
+    if batch_idx is None:
+        batch_idx = kvcache._constant(("arange32", batch), device,
+                                      lambda: torch.arange(batch, dtype=torch.int32, device=device))
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    lse = torch.empty((batch, plan.heads, plan.seqlen_q), dtype=torch.float32, device=device)
+    if out.numel():
+        launch = _decode_launcher(q, k_cache, opts, plan.max_seqlen_k, plan.num_splits, kvcache=True,
+                                  page_size=plan.page_size)
+        launch(q, k_cache, v_cache, out, lse, slopes, (seqused, leftpad, batch_idx, plan.block_table))
+        if fast and not torch.cuda.is_current_stream_capturing():
+            _remember(_DECODE_LAUNCHES, signature, (launch, seqused, leftpad, batch_idx, tuple(lse.shape)))
+    return (out, lse) if return_softmax_lse else out
+
+
+_DECODE_LAUNCHES: dict = {}  # as _FORWARD_LAUNCHES, for ``flash_attn_with_kvcache`` without an append
+
+
+def decode_num_splits(ctas: int, n_blocks: int, slots: int, max_splits: int = 128) -> int:
+    """Split-KV pieces for a grid of ``ctas`` CTAs (Q blocks x heads x batch) whose longest walk is
+    ``n_blocks`` K/V blocks, with ``slots`` CTAs per wave. Decoding is bound by reading K and V, so
+    what counts is that every SM reads: the fewest splits whose last wave is at least 90% as full
+    as the best choice's (FlashAttention-2's rule of wave efficiency), each split keeping at least
+    4 K/V blocks so that its prologue and the combine stay small."""
+    if ctas >= slots or n_blocks < 8:
+        return 1
+    limit = max(1, min(max_splits, n_blocks // 4))
+    def efficiency(s):
+        waves = ctas * s / slots
+        return waves / math.ceil(waves)
+    best = max(efficiency(s) for s in range(1, limit + 1))
+    return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.9 * best)
+
+
+# The decode heuristic's wave: one CTA per SM. Two fit (traits.SM80_DECODE), but one streaming CTA
+# per SM already reads at the copy rate, and filling both slots measured slower on the H100 (B1 H8
+# Sk 131072: 30 splits 2.64 TB/s, 16 splits 2.79; B1 H32 Sk 8192: 8 splits 2.05, 4 splits 2.15;
+# B16 Sq4 H32/8 Sk 16384: 2 splits 2.87, none 3.00; docs/performance.md).
+_DECODE_CTAS_PER_SM = 1
+
+
+def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kvcache: bool, page_size: int = 0,
+                     traits=None):
+    """The launch of the SM80-family decode kernel (split-KV, packed GQA, KV cache) for validated
+    tensors shaped like q, k: a function of (q, k, v, out, lse, alibi_slopes, cache) with cache =
+    (seqused_k, leftpad_k, kv_batch_idx, block_table) int32 tensors (kvcache) or None.
+    ``num_splits`` 0: ``decode_num_splits``. ``traits``: a decode traits spec (tools/bench.py)."""
+    from cute_attn.traits import sm80_decode_traits
+
+    plan = dispatch.plan_for_device(q.device)
+    batch, seqlen_q, heads, head_dim = q.shape
+    heads_kv = k.shape[2]
+    group = heads // heads_kv
+    # the query heads of a K/V head share its tile rows (one read of each K/V block), unless ALiBi
+    # (a slope per head) or long queries (then the plain grid has enough CTAs)
+    pack = group > 1 and not opts.features.alibi and seqlen_q * group <= 128
+    candidates = sm80_decode_traits(head_dim, plan.smem_capacity, page_size, spec=traits)
+    tile_m, tile_n = candidates[0].tile_m, candidates[0].tile_n
+    ctas = -(-seqlen_q * (group if pack else 1) // tile_m) * (heads_kv if pack else heads) * batch
+    n_blocks = -(-max_seqlen_k // tile_n)
+    if num_splits == 0:
+        num_splits = decode_num_splits(ctas, n_blocks, plan.num_sms * _DECODE_CTAS_PER_SM)
+    num_splits = max(1, min(num_splits, n_blocks, 128))
+    split = num_splits > 1
+    features = dataclasses.replace(opts.features, kvcache=kvcache, paged=page_size > 0, split=split, pack_gqa=pack)
+    key = compile_mod.forward_key(plan.target, _DTYPE_NAMES[q.dtype], head_dim, opts.causal, plan.smem_capacity,
+                                  traits=candidates, features=features, page_size=page_size)
+    kernel = compile_mod.forward_cache.get(key)
+    combine = None
+    if split:
+        combine = compile_mod.combine_cache.get(compile_mod.combine_key(plan.target, _DTYPE_NAMES[q.dtype], head_dim))
+    device, scale_log2 = q.device, opts.scale_log2
+    scalars = opts.kernel_scalars(seqlen_q)
+    f32 = dict(dtype=torch.float32, device=device)
+    global last_decode_splits
+    last_decode_splits = num_splits
+
+    def launch(q, k, v, out, lse, alibi_slopes, cache):
+        seqused, leftpad, batch_idx, table = cache if cache is not None else (None, None, None, None)
+        o_accum = lse_accum = None
+        if split:
+            o_accum = torch.empty((num_splits, batch, seqlen_q, heads, head_dim), **f32)
+            lse_accum = torch.empty((num_splits, batch, heads, seqlen_q), **f32)
+        with torch.cuda.device(device):
+            kernel(q, k, v, out, lse, scale_log2, None, None, alibi_slopes, *scalars, seqused, leftpad, batch_idx,
+                   table, o_accum, lse_accum, num_splits)
+            if split:
+                combine(o_accum, lse_accum, out, lse)
+
+    return launch
+
+
+last_decode_splits = 0  # the split count of the last decode launcher built (tools/bench.py prints it)
 
 
 # ---------------------------------------------------------------------------- backward

@@ -193,3 +193,143 @@ def attention_block_backward_reference(
     probs = torch.exp(scores - lse_d).nan_to_num(0.0)
     dq, dk, dv = _flash_gradients(probs, od, qd, kd, vd, dod, scale, heads_kv, tanh)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def apply_rotary_reference(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool,
+) -> torch.Tensor:
+    """Rotary embedding as FlashAttention's kernels apply it: x (batch, seqlen, heads, d), cos/sin
+    (seqlen_ro, rotary_dim / 2), ``positions`` (batch, seqlen) integers: token (b, i) is rotated by
+    the angle of row positions[b, i]. ``interleaved``: the pairs (0, 1), (2, 3), ...; otherwise
+    (GPT-NeoX) the pairs (j, j + rotary_dim / 2). Columns >= rotary_dim are left as they are.
+    Computed in float32 (cos/sin, x read in float32) and rounded to x's dtype once, at the end, as
+    the kernels do before the rotated q or k enter the cache or the matmul."""
+    half = cos.shape[-1]
+    rotary_dim = 2 * half
+    if rotary_dim > x.shape[-1]:
+        raise ValueError(f"rotary_dim {rotary_dim} > head dim {x.shape[-1]}")
+    idx = positions.to(device=cos.device, dtype=torch.long)
+    c = cos.float()[idx][:, :, None, :].to(x.device)  # (batch, seqlen, 1, rotary_dim / 2)
+    s = sin.float()[idx][:, :, None, :].to(x.device)
+    xf = x.float()
+    rot = xf[..., :rotary_dim]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+    y1 = x1 * c - x2 * s
+    y2 = x1 * s + x2 * c
+    rotated = torch.stack((y1, y2), dim=-1).flatten(-2) if interleaved else torch.cat((y1, y2), dim=-1)
+    return torch.cat((rotated, xf[..., rotary_dim:]), dim=-1).to(x.dtype)
+
+
+def attention_kvcache_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | int | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention-2's ``flash_attn_with_kvcache``, one sequence at a time. Returns (out, lse,
+    k_cache_after, v_cache_after): out (batch, seqlen_q, heads, d) in ``compute_dtype`` (float32
+    by default), lse (batch, heads, seqlen_q) float32 (natural log, +inf and out 0 for a query that
+    sees no key), and copies of the caches with k/v appended; the inputs are not modified.
+
+    - caches (batch_cache, seqlen_cache, heads_kv, d), or with ``block_table`` (batch, max_pages)
+      paged: (num_pages, page_size, heads_kv, d), position p of sequence b at page
+      block_table[b, p // page_size], row p % page_size.
+    - cache_seqlens None (the whole cache: seqlen_cache, or max_pages * page_size), an int, or
+      (batch,) integers. Row b of a contiguous cache is cache_batch_idx[b] (default b).
+    - k/v (batch, seqlen_new, heads_kv, d): written at positions cache_seqlens[b] + i (k rotated
+      first), then attended to. Sequence b's keys are positions [cache_leftpad[b],
+      cache_seqlens[b] + seqlen_new); causal, window and ALiBi distances count from cache_leftpad
+      (bottom-right aligned over those keys).
+    - rotary (needs k): new key i rotated at position cache_seqlens[b] + i; query i at
+      cache_seqlens[b] + i when causal or a local window, else every query at cache_seqlens[b].
+      FlashAttention-2 drops a window side >= the cache capacity before deciding "local"
+      (flash_api.cpp, mha_fwd_kvcache), which only changes the rotary positions here: the mask of a
+      side that long hides nothing.
+    - rotated q and k rounded to their dtype (the kernels rotate in float32 and store the dtype).
+    ``compute_dtype`` other than float32 gives the "same-dtype PyTorch" baseline of the tests."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None and k is None:
+        raise ValueError("rotary_cos/rotary_sin need the new k and v to append")
+    if k is not None and cache_seqlens is None:
+        raise ValueError("appending k/v needs cache_seqlens")
+    paged = block_table is not None
+    if paged and (cache_batch_idx is not None or cache_leftpad is not None):
+        raise ValueError("block_table cannot be combined with cache_batch_idx or cache_leftpad")
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    seqlen_new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        lengths = [capacity] * batch
+    elif isinstance(cache_seqlens, int):
+        lengths = [cache_seqlens] * batch
+    else:
+        lengths = [int(n) for n in cache_seqlens.tolist()]
+    leftpad = [int(n) for n in cache_leftpad.tolist()] if cache_leftpad is not None else [0] * batch
+    rows = [int(n) for n in cache_batch_idx.tolist()] if cache_batch_idx is not None else list(range(batch))
+    table = block_table.long().cpu() if paged else None
+    for b in range(batch):
+        if not 0 <= leftpad[b] <= lengths[b] + seqlen_new <= capacity:
+            raise ValueError(f"sequence {b}: keys [{leftpad[b]}, {lengths[b] + seqlen_new}) outside the cache "
+                             f"(capacity {capacity})")
+
+    if rotary_cos is not None:
+        left, right = window_size
+        local = (0 <= left < capacity) or (0 <= right < capacity)
+        starts = torch.tensor(lengths, dtype=torch.long)[:, None]
+        q_steps = torch.arange(seqlen_q)[None, :] if causal or local else torch.zeros(1, seqlen_q, dtype=torch.long)
+        q = apply_rotary_reference(q, rotary_cos, rotary_sin, starts + q_steps, rotary_interleaved)
+        k = apply_rotary_reference(k, rotary_cos, rotary_sin, starts + torch.arange(seqlen_new)[None, :],
+                                   rotary_interleaved)
+
+    def index(b, start, stop):
+        """Cache indices (first two dims) of positions [start, stop) of sequence b."""
+        pos = torch.arange(start, stop)
+        if paged:
+            at = table[b, pos // page_size], pos % page_size
+        else:
+            at = torch.full_like(pos, rows[b]), pos
+        return tuple(i.to(k_cache.device) for i in at)
+
+    k_after, v_after = k_cache.clone(), v_cache.clone()
+    if k is not None:
+        for b in range(batch):
+            at = index(b, lengths[b], lengths[b] + seqlen_new)
+            k_after[at] = k[b].to(k_after.dtype)
+            v_after[at] = v[b].to(v_after.dtype)
+
+    out = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+    lse = torch.full((batch, heads, seqlen_q), float("inf"), dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        at = index(b, leftpad[b], lengths[b] + seqlen_new)
+        keys, values = k_after[at][None], v_after[at][None]
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+        o, l = attention_reference(q[b:b + 1].to(compute_dtype), keys.to(compute_dtype), values.to(compute_dtype),
+                                   causal, softmax_scale, compute_dtype, window_size=tuple(window_size),
+                                   softcap=softcap, alibi_slopes=slopes)
+        out[b], lse[b] = o[0], l[0].float()
+    return out, lse, k_after, v_after

@@ -171,6 +171,40 @@ SM90_FORWARD = {
 }
 
 
+# KV-cache decode and split-KV (the SM80-family forward with the decode features, on every GPU).
+# A decode tile holds a few query rows (seqlen_q x the query heads of one K/V head), so 64 rows
+# (4 warps of 16) and the S width and stages are what sets how many K/V bytes are in flight per SM.
+# The second candidate is taken where the first spills (the compiler keeps the first without local
+# memory). A paged cache caps tile_n at the page size's largest power-of-two factor (a K/V block
+# must lie in one page), so page sizes that are multiples of 16 all work.
+SM80_DECODE = {
+    32: (ForwardTraits(32, tile_m=64, tile_n=128, num_warps=4, num_stages=2),),
+    64: (ForwardTraits(64, tile_m=64, tile_n=128, num_warps=4, num_stages=2),
+         ForwardTraits(64, tile_m=64, tile_n=64, num_warps=4, num_stages=2)),
+    96: (ForwardTraits(96, tile_m=64, tile_n=64, num_warps=4, num_stages=2),
+         ForwardTraits(96, tile_m=64, tile_n=32, num_warps=4, num_stages=2)),
+    128: (ForwardTraits(128, tile_m=64, tile_n=64, num_warps=4, num_stages=2),
+          ForwardTraits(128, tile_m=64, tile_n=32, num_warps=4, num_stages=2)),
+    192: (ForwardTraits(192, tile_m=64, tile_n=64, num_warps=4, num_stages=1),
+          ForwardTraits(192, tile_m=64, tile_n=32, num_warps=4, num_stages=1)),
+    256: (ForwardTraits(256, tile_m=64, tile_n=64, num_warps=4, num_stages=1),
+          ForwardTraits(256, tile_m=64, tile_n=32, num_warps=4, num_stages=1)),
+}
+
+
+def sm80_decode_traits(head_dim: int, smem_capacity: int | None = None, page_size: int = 0,
+                       spec: str | None = None) -> tuple[ForwardTraits, ...]:
+    """The decode candidates for ``head_dim`` (``spec``: one given instead, as in parse_traits),
+    with tile_n dividing ``page_size`` (0: not paged) and shrunk to ``smem_capacity``."""
+    candidates = SM80_DECODE[padded_head_dim(head_dim)] if spec is None else (parse_traits(spec, head_dim),)
+    if page_size:
+        largest_pow2 = page_size & -page_size
+        candidates = tuple(replace(t, tile_n=min(t.tile_n, largest_pow2)) for t in candidates)
+    if smem_capacity:
+        candidates = tuple(fit_to_smem(t, smem_capacity) for t in candidates)
+    return tuple(dict.fromkeys(candidates))
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The traits entry that serves ``head_dim`` (the smallest entry >= head_dim)."""
     for d in HEAD_DIMS:

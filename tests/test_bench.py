@@ -72,3 +72,88 @@ def test_report_prints_the_ceiling_column(bench, tmp_path, monkeypatch, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 128")]
     assert lines == ["| 128 | 0 | 4096 | 660 | 330 | 600 | 750 | 2.00x | 1.10x | 0.88x |"]
     assert (tmp_path / "bench.json").exists()
+
+
+def test_decode_arguments(bench):
+    args = bench._parser().parse_args(["--decode"])
+    assert args.decode and not args.decode_latency and not args.decode_sweep_only
+    assert args.paged == [64, 256] and args.decode_head_dim == 128 and args.dtype == "bf16"
+    assert args.decode_sk == [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+    assert args.decode_sweep_heads == [32, 8]
+    args = bench._parser().parse_args(["--decode", "--paged", "--decode-sk", "--dtype", "fp16", "--sustained", "2"])
+    assert args.paged == [] and args.decode_sk == [] and args.dtype == "fp16" and args.sustained == 2.0
+    args = bench._parser().parse_args(["--decode-latency", "--paged", "128"])
+    assert args.decode_latency and not args.decode and args.paged == [128]
+
+
+def test_decode_rows_and_bytes(bench):
+    shapes = bench.decode_shapes(bench.DECODE_TABLE, [1024, 4096], (32, 8), [64, 256], 128)
+    table = [s for s in shapes if s["part"] == "table"]
+    sweep = [s for s in shapes if s["part"] == "sweep"]
+    # issue 14's table, each dense then paged 64 and 256
+    assert [(s["batch"], s["seqlen_q"], s["seqlen_k"], s["heads"], s["heads_kv"], s["page_size"]) for s in table] == [
+        (b, sq, sk, h, hkv, page)
+        for b, sq, sk, h, hkv in [(1, 1, 131072, 8, 8), (1, 1, 8192, 32, 32), (64, 1, 8192, 32, 8),
+                                  (16, 4, 16384, 32, 8)]
+        for page in (0, 64, 256)]
+    assert [(s["batch"], s["seqlen_q"], s["seqlen_k"], s["heads"], s["heads_kv"], s["page_size"]) for s in sweep] == [
+        (1, 1, sk, 32, 8, page) for sk in (1024, 4096) for page in (0, 64, 256)]
+    assert all(s["head_dim"] == 128 for s in shapes)
+    assert len(bench.decode_shapes(bench.DECODE_TABLE, [1024], (32, 8), [], 64, include_table=False)) == 1
+    # bytes: q + out (B*Sq*H*d each) + K + V attended (B*Sk*Hkv*d each), times the element size
+    assert bench.decode_bytes(table[0], 2) == 2 * (2 * 1 * 1 * 8 * 128 + 2 * 131072 * 8 * 128)
+    row4 = table[9]
+    assert bench.decode_bytes(row4, 2) == 2 * (2 * 16 * 4 * 32 * 128 + 2 * 16 * 16384 * 8 * 128)
+    assert bench.decode_bytes(table[1], 2) == bench.decode_bytes(table[0], 2)  # paged: the same bytes
+    assert bench.decode_pages(8192, 64) == 128 and bench.decode_pages(1000, 256) == 4
+
+
+def test_decode_table_lines(bench):
+    row = {"part": "table", "batch": 64, "seqlen_q": 1, "seqlen_k": 8192, "heads": 32, "heads_kv": 8,
+           "head_dim": 128, "page_size": 0, "bytes": 1, "num_splits": 2, "notes": [], "round_ms": {},
+           "cute_attn": 2.9, "cute_attn (no split)": 1.45, "SDPA flash": 2.46, "SDPA cuDNN": 3.04, "FA4": None}
+    paged = dict(row, page_size=64, num_splits="?", **{"cute_attn": None, "FA4 paged": 2.0})
+    del paged["SDPA flash"], paged["SDPA cuDNN"]
+    cols = bench.decode_columns([row, paged])
+    assert cols == ["cute_attn", "cute_attn (no split)", "SDPA flash", "SDPA cuDNN", "FA4 paged"]  # FA4: no timing
+    lines = bench.decode_table_lines([row, paged], cols, 3.0)
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == lines[3].count("|")
+    assert lines[2] == ("| 64 | 1 | 8192 | 32/8 | - | 2 | 2.90 | 1.45 | 2.46 | 3.04 | - | 3.04 (SDPA cuDNN) | 0.95x "
+                        "| 97% |")
+    assert lines[3] == "| 64 | 1 | 8192 | 32/8 | 64 | ? | - | 1.45 | - | - | 2.00 | 2.00 (FA4 paged) | - | - |"
+    lat = {"us": {"cute_attn": 22.0, "SDPA flash": 20.0}}
+    assert bench.decode_latency_lines(lat)[2:] == ["| cute_attn | 22.0 | 1.10x |", "| SDPA flash | 20.0 | 1.00x |"]
+
+
+def test_decode_num_splits_reads_the_interface(bench):
+    shape = {"batch": 1, "seqlen_q": 1, "seqlen_k": 131072, "heads": 8, "heads_kv": 8, "head_dim": 128, "page_size": 0}
+
+    class Plan:
+        num_splits = 7
+
+    class Iface:
+        last_decode_plan = None
+
+    assert bench._decode_num_splits(shape, 132, Iface) == "?"
+    Iface.last_decode_plan = {"num_splits": 3}
+    assert bench._decode_num_splits(shape, 132, Iface) == 3
+    Iface.last_decode_plan = Plan()
+    assert bench._decode_num_splits(shape, 132, Iface) == 7
+    Iface.last_decode_splits = 5  # cute_attn.interface's name for it; 0 = no launcher built yet
+    assert bench._decode_num_splits(shape, 132, Iface) == 5
+    Iface.last_decode_splits = 0
+    assert bench._decode_num_splits(shape, 132, Iface) == 7
+
+    class ByName:
+        @staticmethod
+        def decode_num_splits(batch, heads_kv, seqlen_q, seqlen_k, num_sms, max_splits=128):
+            return min(num_sms // (batch * heads_kv), max_splits)
+
+    assert bench._decode_num_splits(shape, 132, ByName) == 16
+
+    class Unknown:
+        @staticmethod
+        def decode_num_splits(batch, heads_kv_or_heads, seqlen_q, seqlen_k, num_sms):
+            return 1
+
+    assert bench._decode_num_splits(shape, 132, Unknown) == "?"

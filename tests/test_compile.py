@@ -16,6 +16,7 @@ from cute_attn.compile import (
     forward_key,
     forward_variants,
 )
+from cute_attn.kernels.features import Features
 from cute_attn.traits import (
     HEAD_DIMS,
     SM80_FORWARD,
@@ -51,7 +52,18 @@ def _keys(all_variants):
         return forward_variants(TARGETS, HEAD_DIMS + (40, 120, 200))
     return [forward_key(t, dt, d, c) for t in TARGETS for d, dt, c in SUBSET] + [
         forward_key("sm_90a", dt, d, c, kernel="sm90") for d, dt, c in SM90_SUBSET
-    ] + [forward_key("sm_90a", "bf16", 128, False, kernel="sm90", seqlen=8192)]  # K/V multicast
+    ] + [forward_key("sm_90a", "bf16", 128, False, kernel="sm90", seqlen=8192)] + [  # K/V multicast
+        # KV-cache decode: the SM80-family kernel with its decode traits on every target
+        forward_key(t, dt, d, c, kernel="sm90", features=f, page_size=page) for t, dt, d, c, f, page in DECODE_SUBSET
+    ]
+
+
+DECODE_SUBSET = [  # (target, dtype, head_dim, causal, features, page size): a paged packed split cache,
+    # a padded head dim with window + softcap + ALiBi, and forward's own split path
+    ("sm_90a", "bf16", 128, True, Features(kvcache=True, paged=True, split=True, pack_gqa=True), 64),
+    ("sm_80", "fp16", 72, False, Features(local=True, softcap=True, alibi=True, kvcache=True, split=True), 0),
+    ("sm_90a", "fp16", 256, False, Features(split=True, pack_gqa=True), 0),
+]
 
 
 BWD_SUBSET = [  # (head_dim, dtype, causal, deterministic): with the SM90 kernel on sm_90a, every
@@ -105,6 +117,8 @@ def test_forward_variant_compiles_to_expected_instructions(fwd_key):
         # the register split leaves no room for spills anywhere in the SM90 table
         assert res["stack_frame"] == 0, f"{fwd_key.name}: {res['stack_frame']} bytes of local memory (spills)"
         return
+    if fwd_key.features.decode:  # the decode traits, wherever the family was asked for
+        assert fwd_key.kernel == "sm80" and fwd_key.candidates[0].tile_m == 64
     assert counts["mma.sync"] > 0, "no mma.sync.aligned.m16n8k16"
     assert counts["cp.async"] > 0, "no 128-bit cp.async"
     assert counts["ldmatrix"] > 0, "no ldmatrix"

@@ -104,3 +104,30 @@ def test_compile_fullgraph_varlen_with_options():
     with pytest.raises(ValueError, match="q must be a CUDA tensor"):
         compiled(q, k, v, cu_q, cu_k)
     assert len(graphs) == 1 and graphs[0].code.count("torch.ops.cute_attn.fwd_varlen.default") == 1
+
+
+def test_compile_fullgraph_kvcache():
+    """flash_attn_with_kvcache traces as one op that mutates the caches (no graph break)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def decode(q, k_cache, v_cache, k, v, seqlens):
+        return cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True) + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(decode, backend=backend, fullgraph=True)
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(2, 128, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 1, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([5, 100], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        compiled(q, k_cache, v_cache, k, v, seqlens)
+    assert len(graphs) == 1 and graphs[0].code.count("torch.ops.cute_attn.fwd_kvcache.default") == 1
+    with FakeTensorMode():
+        fq, fk, fv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k_cache, v_cache))
+        out, lse = torch.ops.cute_attn.fwd_kvcache(fq, fk, fv, None, None, None, None, None, 128, None, None, None,
+                                                   None, False, -1, -1, 0.0, True, None, 0)
+        assert out.shape == q.shape and lse.shape == (2, 8, 1) and lse.dtype == torch.float32

@@ -299,3 +299,254 @@ def test_sm90_deterministic_dq_turns(mode, seqlen_q, seqlen_k, tile_m):
             held.sort()
             assert [t for t, _ in held] == list(range(len(held))), (left, right, m, held)
             assert all(a[1] < b[1] for a, b in zip(held, held[1:])), (left, right, m, held)
+
+
+# ---------------------------------------------------------------------------- KV-cache decode
+def complex_rotary(x, angles, positions, rotary_dim, interleaved):
+    """x rotated as complex numbers: each pair (a, b) is a + ib, multiplied by e^(i * angle)."""
+    half = rotary_dim // 2
+    xd = x.double()
+    rot = xd[..., :rotary_dim]
+    if interleaved:
+        z = torch.complex(rot[..., 0::2], rot[..., 1::2])
+    else:
+        z = torch.complex(rot[..., :half], rot[..., half:])
+    theta = angles.double()[positions.long()][:, :, None, :]
+    z = z * torch.polar(torch.ones_like(theta), theta)
+    if interleaved:
+        rotated = torch.stack((z.real, z.imag), dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((rotated, xd[..., rotary_dim:]), dim=-1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rotary_dim", [8, 16])
+def test_rotary_reference_matches_complex_formula(interleaved, rotary_dim):
+    from cute_attn.reference import apply_rotary_reference
+
+    torch.manual_seed(rotary_dim + interleaved)
+    x = torch.randn(2, 5, 3, 16)
+    angles = torch.rand(20, rotary_dim // 2) * 2 * math.pi
+    positions = torch.randint(0, 20, (2, 5))
+    got = apply_rotary_reference(x, torch.cos(angles), torch.sin(angles), positions, interleaved)
+    want = complex_rotary(x, angles, positions, rotary_dim, interleaved)
+    assert got.dtype == x.dtype
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[..., rotary_dim:], x[..., rotary_dim:])  # the rest untouched
+    # in bf16: float32 math, rounded once
+    xb = x.bfloat16()
+    got_b = apply_rotary_reference(xb, torch.cos(angles).bfloat16(), torch.sin(angles).bfloat16(), positions,
+                                   interleaved)
+    want_b = apply_rotary_reference(xb.float(), torch.cos(angles).bfloat16().float(),
+                                    torch.sin(angles).bfloat16().float(), positions, interleaved).bfloat16()
+    assert got_b.dtype == torch.bfloat16 and torch.equal(got_b, want_b)
+
+
+def kv_case(batch=4, seqlen_q=3, heads=4, heads_kv=2, d=16, seqlen_cache=24, seqlen_new=0, batch_cache=None,
+            seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seqlen_q, heads, d, generator=g)
+    k_cache = torch.randn(batch_cache or batch, seqlen_cache, heads_kv, d, generator=g)
+    v_cache = torch.randn(batch_cache or batch, seqlen_cache, heads_kv, d, generator=g)
+    k = torch.randn(batch, seqlen_new, heads_kv, d, generator=g) if seqlen_new else None
+    v = torch.randn(batch, seqlen_new, heads_kv, d, generator=g) if seqlen_new else None
+    return q, k_cache, v_cache, k, v
+
+
+def to_paged(k_cache, v_cache, page_size, extra_pages=3, seed=0):
+    """The same caches, paged through a shuffled block_table; unused pages hold other values."""
+    g = torch.Generator().manual_seed(seed)
+    batch, seqlen_cache, heads_kv, d = k_cache.shape
+    pages = seqlen_cache // page_size
+    num_pages = batch * pages + extra_pages
+    table = torch.randperm(num_pages, generator=g)[:batch * pages].view(batch, pages).to(torch.int32)
+    k_paged = torch.randn(num_pages, page_size, heads_kv, d, generator=g)
+    v_paged = torch.randn(num_pages, page_size, heads_kv, d, generator=g)
+    k_paged[table.long()] = k_cache.view(batch, pages, page_size, heads_kv, d)
+    v_paged[table.long()] = v_cache.view(batch, pages, page_size, heads_kv, d)
+    return k_paged, v_paged, table
+
+
+def from_paged(cache, table):
+    return cache[table.long()].flatten(1, 2)
+
+
+KV_OPTIONS = [dict(), dict(window_size=(5, 2)), dict(softcap=1.5, alibi_slopes=torch.rand(4, 4)),
+              dict(window_size=(3, -1), alibi_slopes=torch.tensor([0.5, 0.125, 0.25, 1.0]))]
+
+
+@pytest.mark.parametrize("options", KV_OPTIONS, ids=lambda o: "-".join(o) or "plain")
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_reference_equals_sliced_cache(options, causal):
+    from cute_attn.reference import attention_kvcache_reference
+
+    q, k_cache, v_cache, _, _ = kv_case()
+    lengths = torch.tensor([0, 1, 24, 9], dtype=torch.int32)
+    saved = k_cache.clone(), v_cache.clone()
+    out, lse, k_after, v_after = attention_kvcache_reference(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                             softmax_scale=0.3, causal=causal, **options)
+    assert out.dtype == torch.float32 and lse.shape == (4, 4, 3)
+    assert torch.equal(k_after, k_cache) and torch.equal(v_after, v_cache) and k_after is not k_cache
+    assert torch.equal(saved[0], k_cache) and torch.equal(saved[1], v_cache)
+    slopes = options.get("alibi_slopes")
+    for b, n in enumerate(lengths.tolist()):
+        opts = dict(options)
+        if slopes is not None and slopes.dim() == 2:
+            opts["alibi_slopes"] = slopes[b]
+        ref, ref_lse = attention_reference(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal, 0.3, **opts)
+        torch.testing.assert_close(out[b:b + 1], ref, atol=1e-6, rtol=1e-6)
+        assert torch.equal(torch.isinf(lse[b:b + 1]), torch.isinf(ref_lse))
+        torch.testing.assert_close(lse[b:b + 1].nan_to_num(posinf=0), ref_lse.nan_to_num(posinf=0))
+    assert torch.all(out[0] == 0) and torch.all(torch.isinf(lse[0]) & (lse[0] > 0))  # no key at all
+    # cache_seqlens None is the whole cache; an int is every sequence's length
+    full = attention_kvcache_reference(q, k_cache, v_cache, causal=causal, **options)
+    as_int = attention_kvcache_reference(q, k_cache, v_cache, cache_seqlens=24, causal=causal, **options)
+    as_tensor = attention_kvcache_reference(q, k_cache, v_cache, cache_seqlens=torch.full((4,), 24), causal=causal,
+                                            **options)
+    for a, b in zip(full, as_tensor):
+        assert torch.equal(a, b)
+    for a, b in zip(as_int, as_tensor):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seqlen_new", [0, 3])
+@pytest.mark.parametrize("page_size", [4, 8])
+def test_kvcache_reference_paged_equals_contiguous(seqlen_new, page_size):
+    from cute_attn.reference import attention_kvcache_reference
+
+    q, k_cache, v_cache, k, v = kv_case(seqlen_new=seqlen_new, seed=page_size)
+    lengths = torch.tensor([0, 1, 24 - seqlen_new, 9], dtype=torch.int32)
+    k_paged, v_paged, table = to_paged(k_cache, v_cache, page_size)
+    saved = k_paged.clone(), v_paged.clone()
+    slopes = torch.rand(4)
+    dense = attention_kvcache_reference(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                        alibi_slopes=slopes)
+    paged = attention_kvcache_reference(q, k_paged, v_paged, k, v, cache_seqlens=lengths, block_table=table,
+                                        causal=True, alibi_slopes=slopes)
+    assert torch.equal(saved[0], k_paged) and torch.equal(saved[1], v_paged)  # inputs untouched
+    torch.testing.assert_close(paged[0], dense[0], atol=1e-6, rtol=1e-6)
+    assert torch.equal(torch.isinf(paged[1]), torch.isinf(dense[1]))
+    torch.testing.assert_close(paged[1].nan_to_num(posinf=0), dense[1].nan_to_num(posinf=0))
+    assert torch.equal(from_paged(paged[2], table), dense[2]) and torch.equal(from_paged(paged[3], table), dense[3])
+    unused = torch.ones(k_paged.shape[0], dtype=torch.bool)
+    unused[table.long().flatten()] = False
+    assert unused.sum() == 3
+    assert torch.equal(paged[2][unused], k_paged[unused]) and torch.equal(paged[3][unused], v_paged[unused])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged"])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_kvcache_reference_append(layout, rotary):
+    """k/v land at exactly cache_seqlens[b] .. + seqlen_new of their cache row (k rotated at those
+    positions), nothing else changes, and the same call attends to them."""
+    from cute_attn.reference import apply_rotary_reference, attention_kvcache_reference
+
+    batch, seqlen_new = 4, 3
+    q, k_cache, v_cache, k, v = kv_case(seqlen_new=seqlen_new, seqlen_q=seqlen_new,
+                                        batch_cache=8 if layout == "batch_idx" else None)
+    lengths = torch.tensor([0, 1, 24 - seqlen_new, 9], dtype=torch.int32)
+    rows = torch.tensor([5, 0, 7, 2], dtype=torch.int32) if layout == "batch_idx" else None
+    cos = sin = None
+    if rotary:
+        angles = torch.rand(24, 4) * 2 * math.pi
+        cos, sin = torch.cos(angles), torch.sin(angles)
+    cache_k, cache_v, table = k_cache, v_cache, None
+    if layout == "paged":
+        cache_k, cache_v, table = to_paged(k_cache, v_cache, 8)
+    out, lse, k_after, v_after = attention_kvcache_reference(
+        q, cache_k, cache_v, k, v, cos, sin, cache_seqlens=lengths, cache_batch_idx=rows, block_table=table,
+        causal=True, rotary_interleaved=False)
+    if layout == "paged":
+        k_after, v_after = from_paged(k_after, table), from_paged(v_after, table)
+    positions = lengths.long()[:, None] + torch.arange(seqlen_new)
+    k_rot = apply_rotary_reference(k, cos, sin, positions, False) if rotary else k
+    q_rot = apply_rotary_reference(q, cos, sin, positions, False) if rotary else q  # causal: q token i at len + i
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b in range(batch):
+        r = int(rows[b]) if rows is not None else b
+        n = int(lengths[b])
+        expected_k[r, n:n + seqlen_new] = k_rot[b]
+        expected_v[r, n:n + seqlen_new] = v[b]
+        keys = torch.cat((k_cache[r, :n], k_rot[b]))[None]
+        values = torch.cat((v_cache[r, :n], v[b]))[None]
+        ref, _ = attention_reference(q_rot[b:b + 1], keys, values, True)
+        torch.testing.assert_close(out[b:b + 1], ref, atol=1e-6, rtol=1e-6)
+    assert torch.equal(k_after, expected_k) and torch.equal(v_after, expected_v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("options", KV_OPTIONS[:3], ids=lambda o: "-".join(o) or "plain")
+def test_kvcache_reference_leftpad_equals_slicing(causal, options):
+    """Keys [leftpad, cache_seqlens + seqlen_new): distances (causal, window, ALiBi) count from the
+    leftpad; rotary positions do not (they stay the cache's)."""
+    from cute_attn.reference import apply_rotary_reference, attention_kvcache_reference
+
+    q, k_cache, v_cache, k, v = kv_case(seqlen_new=2, seqlen_q=2, seed=5)
+    lengths = torch.tensor([0, 5, 22, 9], dtype=torch.int32)
+    leftpad = torch.tensor([0, 5, 4, 1], dtype=torch.int32)  # the second sees only its new keys
+    angles = torch.rand(24, 8) * 2 * math.pi
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    out, lse, k_after, v_after = attention_kvcache_reference(q, k_cache, v_cache, k, v, cos, sin,
+                                                             cache_seqlens=lengths, cache_leftpad=leftpad,
+                                                             causal=causal, **options)
+    positions = lengths.long()[:, None] + torch.arange(2)
+    q_positions = positions if causal or "window_size" in options else lengths.long()[:, None].expand(-1, 2)
+    q_rot = apply_rotary_reference(q, cos, sin, q_positions, True)
+    slopes = options.get("alibi_slopes")
+    for b in range(4):
+        n, p = int(lengths[b]), int(leftpad[b])
+        opts = dict(options)
+        if slopes is not None and slopes.dim() == 2:
+            opts["alibi_slopes"] = slopes[b]
+        keys, values = k_after[b:b + 1, p:n + 2], v_after[b:b + 1, p:n + 2]
+        ref, ref_lse = attention_reference(q_rot[b:b + 1], keys, values, causal, **opts)
+        torch.testing.assert_close(out[b:b + 1], ref, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse[b:b + 1], ref_lse)
+    # the rows before the leftpad are still written by nothing, and the appended ones are rotated
+    assert torch.equal(k_after[1, :5], k_cache[1, :5])
+    torch.testing.assert_close(k_after[2, 22:24], apply_rotary_reference(k, cos, sin, positions, True)[2])
+
+
+def test_kvcache_reference_rotary_query_positions():
+    """Rotary q: one position (cache_seqlens) for every query without causal or window; a window
+    side at least the cache's capacity is no window (FlashAttention-2 drops it)."""
+    from cute_attn.reference import apply_rotary_reference, attention_kvcache_reference
+
+    q, k_cache, v_cache, k, v = kv_case(seqlen_new=3, seqlen_q=3, seed=9)
+    lengths = torch.tensor([0, 4, 21, 9], dtype=torch.int32)
+    angles = torch.rand(24, 8) * 2 * math.pi
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    per_token = lengths.long()[:, None] + torch.arange(3)
+    one = lengths.long()[:, None].expand(-1, 3)
+    k_rot = apply_rotary_reference(k, cos, sin, per_token, True)
+    for window, positions in [((-1, -1), one), ((30, -1), one), ((24, 24), one), ((23, -1), per_token),
+                              ((-1, 0), per_token)]:
+        out, _, k_after, v_after = attention_kvcache_reference(q, k_cache, v_cache, k, v, cos, sin,
+                                                               cache_seqlens=lengths, window_size=window)
+        q_rot = apply_rotary_reference(q, cos, sin, positions, True)
+        for b in range(4):
+            n = int(lengths[b])
+            assert torch.equal(k_after[b, n:n + 3], k_rot[b])
+            ref, _ = attention_reference(q_rot[b:b + 1], k_after[b:b + 1, :n + 3], v_after[b:b + 1, :n + 3],
+                                         window_size=window)
+            torch.testing.assert_close(out[b:b + 1], ref, atol=1e-6, rtol=1e-6)
+
+
+def test_kvcache_reference_rejects_fa2_invalid_combinations():
+    from cute_attn.reference import attention_kvcache_reference
+
+    q, k_cache, v_cache, k, v = kv_case(seqlen_new=2)
+    k_paged, v_paged, table = to_paged(k_cache, v_cache, 8)
+    idx = torch.arange(4, dtype=torch.int32)
+    cos = sin = torch.ones(24, 8)
+    with pytest.raises(ValueError):
+        attention_kvcache_reference(q, k_paged, v_paged, block_table=table, cache_batch_idx=idx)
+    with pytest.raises(ValueError):
+        attention_kvcache_reference(q, k_paged, v_paged, block_table=table, cache_leftpad=idx)
+    with pytest.raises(ValueError):
+        attention_kvcache_reference(q, k_cache, v_cache, rotary_cos=cos, rotary_sin=sin, cache_seqlens=idx)
+    with pytest.raises(ValueError):
+        attention_kvcache_reference(q, k_cache, v_cache, k, v)  # appending needs cache_seqlens
+    with pytest.raises(ValueError):
+        attention_kvcache_reference(q, k_cache, v_cache, k, None, cache_seqlens=idx)

@@ -10,6 +10,9 @@
     python tools/bench.py --window 1024 --seqlens 16384   # sliding window (1024, 0): vs dense causal, FA4
     python tools/bench.py --softcap 30                    # with softcap 30 vs without, FA4 with it
     python tools/bench.py --varlen                        # random lengths 128...4096 packed into 16k tokens
+    python tools/bench.py --decode                        # KV-cache decode: issue 14's table (dense, paged), Sk sweep
+    python tools/bench.py --decode --decode-sk            # the decode table only (--decode-sweep-only: the sweep only)
+    python tools/bench.py --decode-latency                # wall time per decode call from Python (host overhead)
 
 Peers: torch SDPA with the flash (FlashAttention-2) and cuDNN backends, and FlashAttention-4
 (``flash_attn.cute``) when importable. Batch = tokens / seqlen, heads = 2048 / head_dim.
@@ -31,6 +34,23 @@ feature beside cute_attn's dense kernel (causal for a window; no softcap; equal 
 and the peers that have the feature: FA4 (window, softcap, varlen) and torch's
 ``varlen_attn`` (FlashAttention-2's varlen kernel, where this torch has it).
 Prints a markdown table (TFLOP/s, and cute_attn over the best peer); writes JSON and a PNG plot.
+
+``--decode`` (``decode_rows``) is memory-bound decoding against a KV cache: rows (B, Sq, Sk, heads
+q/kv) = DECODE_TABLE, d ``--decode-head-dim`` (128), each dense and with a paged cache of every
+``--paged`` page size (block_table a random permutation of the pages), then the ``--decode-sk``
+sweep at B1 Sq1 heads 32/8. Bytes per call = q + out + the K and V rows attended
+(2 * B * Sk * heads_kv * d elements), reported as TB/s beside the device's copy rate (a 1 GiB
+``copy_``, bytes read + written). cute_attn is ``flash_attn_with_kvcache(q, k_cache, v_cache,
+cache_seqlens=...)`` with a cache of exactly Sk rows, and again with num_splits=1; peers on the
+same tensors: SDPA flash and cuDNN (q/k/v transposed to (B, H, S, d), enable_gqa), FA4
+``flash_attn_func`` (dense rows) and ``flash_attn_varlen_func(page_table=, seqused_k=)`` ("FA4
+paged", paged rows), both with num_splits=0 (FA4's own split heuristic) where accepted, and
+FlashAttention-2's ``flash_attn_with_kvcache`` where importable. Every path is first checked
+against an fp32 reference (a wrong one is not timed). Timing: per-call CUDA events after an L2
+flush and a ~0.5 ms sleep kernel (so a path's host time, FA4's ~0.1 ms, does not count as GPU
+time), in shuffled rounds. ``--decode-latency``: wall time per call over back-to-back calls at B1
+Sq1 Sk4096 heads 32/8, the host-overhead bar (within 10% of SDPA flash). Writes
+bench_decode.json, bench_decode_sweep.json, bench_decode.png, bench_decode_latency.json.
 """
 
 from __future__ import annotations
@@ -186,11 +206,12 @@ def _sustained_ms(fn, seconds: float) -> float:
 
 
 def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int, where: str,
-                      sustained_s: float = 0.0) -> dict:
+                      sustained_s: float = 0.0, timed=None) -> dict:
     """Milliseconds per implementation in each of ``rounds`` rounds, each round timing every
     implementation once, in an order shuffled anew each round: clock and power drift during a run
     then reach every column alike instead of favouring whichever ran first (the caller takes the
-    median). None for one that failed; the ceiling matmul is always timed as a forward."""
+    median). None for one that failed; the ceiling matmul is always timed as a forward. ``timed``
+    replaces ``_timed`` (the decode mode's timer)."""
     times = {name: [] for name in impls}
     for r in range(rounds):
         # A new order every round (seeded: the same in every run), so that no implementation always
@@ -205,15 +226,15 @@ def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int
             if times[name] is None:
                 continue
             try:
-                times[name].append(_timed(fn, q, k, v, causal, "fwd" if name == CEILING else mode,
-                                          max(100 / rounds, 20), sustained_s))
+                times[name].append((timed or _timed)(fn, q, k, v, causal, "fwd" if name == CEILING else mode,
+                                                     max(100 / rounds, 20), sustained_s))
             except Exception as e:  # noqa: BLE001
                 print(f"# {name} {mode} failed at {where}: {type(e).__name__}: {e}", file=sys.stderr)
                 times[name] = None
     return times
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--causal", type=int, nargs="+", default=[0, 1])
@@ -241,7 +262,29 @@ def main(argv=None):
                    help="a batch of random lengths 128...4096 (seeded) packed into --tokens: cute_attn varlen, "
                         "cute_attn dense on equal lengths, FA4 varlen, torch varlen_attn")
     p.add_argument("--out", default="bench_results", help="directory for JSON and PNG")
-    args = p.parse_args(argv)
+    d = p.add_argument_group("decode (KV cache, issue 14): TB/s of q, out and the K/V rows attended")
+    d.add_argument("--decode", action="store_true",
+                   help="the decode table (DECODE_TABLE, dense and with each --paged page size) and the --decode-sk "
+                        "sweep: cute_attn.flash_attn_with_kvcache (and with num_splits=1) beside SDPA flash and "
+                        "cuDNN, FA4, FA4 paged and FlashAttention-2's flash_attn_with_kvcache where importable")
+    d.add_argument("--paged", type=int, nargs="*", default=[64, 256], metavar="PAGE",
+                   help="decode: also every row with a paged cache of these page sizes (none: dense only)")
+    d.add_argument("--decode-sk", type=int, nargs="*", default=list(DECODE_SWEEP_SK), metavar="SK",
+                   help="decode: the sweep's cache lengths at B1 Sq1, heads --decode-sweep-heads (none: no sweep)")
+    d.add_argument("--decode-sweep-heads", type=int, nargs=2, default=list(DECODE_SWEEP_HEADS), metavar=("H", "HKV"))
+    d.add_argument("--decode-sweep-only", action="store_true", help="decode: the sweep without the table")
+    d.add_argument("--decode-head-dim", type=int, default=128, help="decode: head dim (--head-dims is not used)")
+    d.add_argument("--decode-latency", action="store_true",
+                   help="wall time per call from Python over back-to-back calls at B1 Sq1 Sk4096 heads 32/8 "
+                        "(host overhead); alone or with --decode")
+    d.add_argument("--decode-latency-calls", type=int, default=2000)
+    return p
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    if args.decode or args.decode_latency:
+        return decode_rows(args)
     if args.window is not None or args.softcap is not None or args.varlen:
         return feature_rows(args)
 
@@ -447,6 +490,481 @@ def _plot(rows, cols, path, title):
         ax.set_ylabel("TFLOP/s")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ----------------------------------------------------------------------------------------------
+# --decode: KV-cache decode (issue 14). Memory-bound: the figure of merit is the bytes a call must
+# move (q and out, and the K and V rows attended) per second, against the device's copy rate.
+
+# (batch, seqlen_q, seqlen_k, heads, heads_kv): issue 14's table
+DECODE_TABLE = ((1, 1, 131072, 8, 8), (1, 1, 8192, 32, 32), (64, 1, 8192, 32, 8), (16, 4, 16384, 32, 8))
+DECODE_SWEEP_SK = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+DECODE_SWEEP_HEADS = (32, 8)
+DECODE_LATENCY_SHAPE = (1, 1, 4096, 32, 8)  # the issue's host-overhead bar: B1, Sk 4096
+COPY_ELEMENTS = 2**29  # the device-copy reference: 1 GiB of bf16 copied (2 GiB moved)
+
+
+def decode_pages(seqlen_k: int, page_size: int) -> int:
+    """Pages one sequence of ``seqlen_k`` keys takes."""
+    return -(-seqlen_k // page_size)
+
+
+def decode_bytes(shape: dict, elem_size: int) -> int:
+    """Bytes a decode call must move: q read and out written (batch * seqlen_q * heads * d each) and
+    the K and V rows attended (batch * seqlen_k * heads_kv * d each). Block table, cache_seqlens and
+    split partials are not counted (the paged rows count the same bytes as the dense ones)."""
+    qo = 2 * shape["batch"] * shape["seqlen_q"] * shape["heads"] * shape["head_dim"]
+    kv = 2 * shape["batch"] * shape["seqlen_k"] * shape["heads_kv"] * shape["head_dim"]
+    return (qo + kv) * elem_size
+
+
+def decode_shapes(table, sweep_sk, sweep_heads, page_sizes, head_dim: int, include_table: bool = True) -> list[dict]:
+    """The rows of --decode: every table shape dense, then with each page size; then the sweep
+    (B1 Sq1, heads ``sweep_heads``) over ``sweep_sk``, likewise. page_size 0 = dense."""
+    shapes = []
+
+    def add(part, b, sq, sk, h, hkv):
+        for page in [0, *page_sizes]:
+            shapes.append({"part": part, "batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_kv": hkv,
+                           "head_dim": head_dim, "page_size": page})
+
+    if include_table:
+        for b, sq, sk, h, hkv in table:
+            add("table", b, sq, sk, h, hkv)
+    for sk in sweep_sk:
+        add("sweep", 1, 1, sk, *sweep_heads)
+    return shapes
+
+
+def _decode_label(shape: dict) -> str:
+    page = f" paged {shape['page_size']}" if shape["page_size"] else ""
+    return (f"B{shape['batch']} Sq{shape['seqlen_q']} Sk{shape['seqlen_k']} H{shape['heads']}/{shape['heads_kv']} "
+            f"d{shape['head_dim']}{page}")
+
+
+def _decode_num_splits(shape: dict, num_sms: int, interface=None):
+    """cute_attn's split count for this shape, if its interface says, read right after the first call
+    of this shape (which builds its launcher): ``last_decode_splits`` (an int, 0 before any) or
+    ``last_decode_plan`` (an int, a dict or an object with ``num_splits``), else ``decode_num_splits``
+    called by parameter names when every required one is known here; '?' if none works."""
+    try:
+        if interface is None:
+            from cute_attn import interface
+        if getattr(interface, "last_decode_splits", 0):
+            return int(interface.last_decode_splits)
+        plan = getattr(interface, "last_decode_plan", None)
+        if plan is not None:
+            n = plan if isinstance(plan, int) else plan.get("num_splits") if isinstance(plan, dict) \
+                else getattr(plan, "num_splits")
+            return int(n)
+        import inspect
+
+        fn = interface.decode_num_splits
+        known = {"batch": shape["batch"], "batch_size": shape["batch"], "heads": shape["heads"],
+                 "num_heads": shape["heads"], "nheads": shape["heads"], "heads_kv": shape["heads_kv"],
+                 "num_heads_kv": shape["heads_kv"], "nheads_kv": shape["heads_kv"], "seqlen_q": shape["seqlen_q"],
+                 "seqlen_k": shape["seqlen_k"], "num_sms": num_sms, "head_dim": shape["head_dim"],
+                 "page_size": shape["page_size"] or None}
+        kwargs = {}
+        for name, par in inspect.signature(fn).parameters.items():
+            if name in known:
+                kwargs[name] = known[name]
+            elif par.default is inspect.Parameter.empty:
+                return "?"
+        return int(fn(**kwargs))
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def _decode_modules(no_peers: bool) -> dict:
+    """The decode functions that import here; the reason printed for each that does not."""
+    mods = {}
+    try:
+        import cute_attn
+
+        mods["cute_attn"] = cute_attn.flash_attn_with_kvcache
+    except Exception as e:  # noqa: BLE001
+        print(f"# cute_attn.flash_attn_with_kvcache not available ({type(e).__name__}: {e}); skipped", file=sys.stderr)
+    if no_peers:
+        return mods
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention
+
+        mods["sdpa"] = (scaled_dot_product_attention, sdpa_kernel,
+                        {"SDPA flash": SDPBackend.FLASH_ATTENTION, "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION})
+    except Exception as e:  # noqa: BLE001
+        print(f"# torch SDPA backends not available ({type(e).__name__}: {e}); skipped", file=sys.stderr)
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+        mods["fa4"], mods["fa4_varlen"] = flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001
+        print(f"# FlashAttention-4 (flash_attn.cute) not importable ({type(e).__name__}: {e}); skipped",
+              file=sys.stderr)
+    try:
+        from flash_attn import flash_attn_with_kvcache
+
+        mods["fa2"] = flash_attn_with_kvcache
+    except Exception as e:  # noqa: BLE001
+        print(f"# FlashAttention-2 (flash_attn.flash_attn_with_kvcache) not importable ({type(e).__name__}: {e}); "
+              f"skipped", file=sys.stderr)
+    return mods
+
+
+def _decode_reference(q, k, v):
+    """fp32 attention of q (b, sq, h, d) over dense k, v (b, sk, hkv, d), query head i on K/V head
+    i // (h / hkv): the check that every timed path computes the same thing."""
+    b, sq, h, d = q.shape
+    hkv = k.shape[2]
+    qf = q.float().view(b, sq, hkv, h // hkv, d)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) / math.sqrt(d)
+    o = torch.einsum("bhgqk,bkhd->bqhgd", s.softmax(-1), v.float())
+    return o.reshape(b, sq, h, d)
+
+
+def _decode_impls(shape: dict, dtype, mods: dict, num_sms: int, where: str):
+    """Fresh random inputs for one row and the implementations that run on them: {column: fn()}, the
+    notes on how each peer was called, and cute_attn's split count. Each candidate is called once
+    (compiles, warms up) and checked against the fp32 reference; a failing or wrong one is dropped
+    with the reason printed, and a peer with several ways to call it keeps the first that works."""
+    b, sq, sk, h, hkv, d, page = (shape[k] for k in ("batch", "seqlen_q", "seqlen_k", "heads", "heads_kv",
+                                                       "head_dim", "page_size"))
+    torch.manual_seed(0)
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+    seqlens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+    if page:
+        n = decode_pages(sk, page)
+        kc, vc = (torch.randn(b * n, page, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+        table = torch.randperm(b * n, device="cuda").view(b, n).to(torch.int32)  # a real gather
+        kd, vd = (c[table.long()].flatten(1, 2)[:, :sk] for c in (kc, vc))
+    else:
+        kc, vc = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype) for _ in range(2))  # exactly Sk rows
+        table, kd, vd = None, kc, vc
+    ref = _decode_reference(q, kd, vd)
+    del kd, vd
+    first = lambda out: out[0] if isinstance(out, (tuple, list)) else out  # noqa: E731
+
+    candidates = []  # (column, [(note or None, fn), ...]): the first variant that works is kept
+    if "cute_attn" in mods:
+        f = mods["cute_attn"]
+        candidates.append(("cute_attn", [(None, lambda: first(f(
+            q, kc, vc, cache_seqlens=seqlens, block_table=table)))]))
+        candidates.append(("cute_attn (no split)", [(None, lambda: first(f(
+            q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=1)))]))
+    if not page and "sdpa" in mods:
+        sdpa, sdpa_kernel, backends = mods["sdpa"]
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, kc, vc))  # (b, heads, s, d) views
+        repeated = {}  # K/V repeated to h heads, made once for both backends, only if needed
+
+        def sdpa_run(backend, gqa=False, repeat=False):
+            def run():
+                k_, v_ = kt, vt
+                if repeat:
+                    if not repeated:
+                        repeated["k"], repeated["v"] = (t.repeat_interleave(h // hkv, dim=1) for t in (kt, vt))
+                    k_, v_ = repeated["k"], repeated["v"]
+                with sdpa_kernel(backend):
+                    return sdpa(qt, k_, v_, **({"enable_gqa": True} if gqa else {})).transpose(1, 2)
+
+            return run
+
+        for col, backend in backends.items():
+            if h == hkv:
+                candidates.append((col, [(None, sdpa_run(backend))]))
+            else:
+                candidates.append((col, [
+                    ("enable_gqa=True", sdpa_run(backend, gqa=True)),
+                    (f"no GQA: K/V repeated to {h} heads outside the timing, reads {h // hkv}x the counted K/V bytes",
+                     sdpa_run(backend, repeat=True))]))
+    if not page and "fa4" in mods:
+        fa4 = mods["fa4"]
+        candidates.append(("FA4", [
+            ("flash_attn_func, num_splits=0 (its split heuristic)", lambda: first(fa4(q, kc, vc, num_splits=0))),
+            ("flash_attn_func, its default num_splits (no split heuristic in this version)",
+             lambda: first(fa4(q, kc, vc)))]))
+    if page and "fa4_varlen" in mods:
+        fa4v = mods["fa4_varlen"]
+        candidates.append(("FA4 paged", [
+            ("flash_attn_varlen_func(page_table, seqused_k), num_splits=0 (its split heuristic)",
+             lambda: first(fa4v(q, kc, vc, seqused_k=seqlens, page_table=table, num_splits=0))),
+            ("flash_attn_varlen_func(page_table, seqused_k), its default num_splits",
+             lambda: first(fa4v(q, kc, vc, seqused_k=seqlens, page_table=table)))]))
+    if "fa2" in mods:
+        fa2 = mods["fa2"]
+        candidates.append(("FA2 kvcache", [("flash_attn_with_kvcache, num_splits=0", lambda: first(fa2(
+            q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=0)))]))
+
+    impls, notes, splits = {}, [], "-"
+    scale = ref.abs().max().item()
+    for col, variants in candidates:
+        for note, fn in variants:
+            try:
+                with torch.no_grad():
+                    out = fn()
+                torch.cuda.synchronize()
+                err = (out.float() - ref).abs().max().item()
+                if not err <= 0.02 * scale + 1e-3:  # also catches NaN
+                    print(f"# {col} ({note or 'default'}) WRONG at {where}: max error {err:.3g}, reference max "
+                          f"{scale:.3g}; not timed", file=sys.stderr)
+                    continue
+            except Exception as e:  # noqa: BLE001
+                print(f"# {col} ({note or 'default'}) failed at {where}: {type(e).__name__}: {e}", file=sys.stderr)
+                continue
+            impls[col] = lambda *_, fn=fn: fn()  # _time_interleaved passes (q, k, v, causal)
+            if note:
+                notes.append(f"{col}: {note}")
+            if col == "cute_attn":
+                splits = _decode_num_splits(shape, num_sms)
+            break
+    return impls, notes, splits
+
+
+_FLUSH = []
+
+
+def _gpu_ms(fn, rep_ms: float) -> float:
+    """Median milliseconds of one call on the GPU, as ``do_bench`` (a 256 MB write before each call
+    flushes L2, so K/V come from HBM) plus a ~0.5 ms sleep kernel queued before each timed call:
+    a decode call takes microseconds of GPU time and up to ~0.15 ms of host time (FA4's Python),
+    and without the sleep the host's time would show up between the start event and the kernel."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda"))
+    flush = _FLUSH[0]
+    sleep = getattr(torch.cuda, "_sleep", lambda cycles: None)
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    n = int(min(max(rep_ms / max(start.elapsed_time(end) / 5, 1e-3), 20), 200))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        flush.zero_()
+        sleep(1_000_000)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _decode_timed(fn, q, k, v, causal, mode, rep_ms, sustained_s=0.0) -> float:
+    """The decode mode's ``_timed``: GPU milliseconds per call (``_gpu_ms``), or with ``--sustained``
+    the mean over seconds of back-to-back calls (no L2 flush there: a cache smaller than the 50 MB
+    L2 is then read from L2, and a call shorter than its host time is host-bound)."""
+    with torch.no_grad():
+        call = lambda: fn(q, k, v, causal)  # noqa: E731
+        return _sustained_ms(call, sustained_s) if sustained_s else _gpu_ms(call, rep_ms)
+
+
+def _copy_rate(args) -> dict:
+    """The reference ceiling: ``dst.copy_(src)`` of 1 GiB, bytes read + written per second, timed
+    like the decode rows (median over ``--rounds``)."""
+    src = torch.randn(COPY_ELEMENTS, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = statistics.median(_decode_timed(lambda *_: dst.copy_(src), None, None, None, False, "fwd", 100, args.sustained)
+                           for _ in range(max(args.rounds, 1)))
+    moved = 2 * src.numel() * src.element_size()
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes": moved, "ms": ms, "tbs": moved / ms / 1e9}
+
+
+def _host_us(fn, calls: int) -> float:
+    """Wall microseconds per call from Python over ``calls`` back-to-back calls, one sync at the end."""
+    import time
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _decode_latency(args, dtype, mods, num_sms) -> dict:
+    """Host overhead: wall time per call at DECODE_LATENCY_SHAPE, dense (and cute_attn with the first
+    --paged page size), every implementation once per round in a shuffled order, median of rounds."""
+    b, sq, sk, h, hkv = DECODE_LATENCY_SHAPE
+    base = {"part": "latency", "batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads": h, "heads_kv": hkv,
+            "head_dim": args.decode_head_dim, "page_size": 0}
+    where = _decode_label(base) + " (latency)"
+    impls, notes, _ = _decode_impls(base, dtype, mods, num_sms, where)
+    if args.paged and "cute_attn" in mods:
+        paged = dict(base, page_size=args.paged[0])
+        more, _, _ = _decode_impls(paged, dtype, {"cute_attn": mods["cute_attn"]}, num_sms, where)
+        impls.update({f"{name} paged {args.paged[0]}": fn for name, fn in more.items()})
+    times = {name: [] for name in impls}
+    with torch.no_grad():
+        for r in range(max(args.rounds, 1)):
+            names = list(impls)
+            if r:
+                random.Random(r).shuffle(names)
+            for name in names:
+                if times[name] is None:
+                    continue
+                try:
+                    times[name].append(_host_us(impls[name], args.decode_latency_calls))
+                except Exception as e:  # noqa: BLE001
+                    print(f"# {name} failed at {where}: {type(e).__name__}: {e}", file=sys.stderr)
+                    times[name] = None
+    us = {name: statistics.median(t) for name, t in times.items() if t}
+    return {"shape": base, "calls": args.decode_latency_calls, "us": us, "round_us": times, "notes": notes}
+
+
+def decode_latency_lines(latency: dict) -> list[str]:
+    """The host-overhead table: microseconds per call and the ratio to SDPA flash (the bar: <= 1.10)."""
+    ref = latency["us"].get("SDPA flash")
+    lines = ["| implementation | wall time per call (us) | / SDPA flash |", "|---|---|---|"]
+    for name, us in latency["us"].items():
+        lines.append(f"| {name} | {us:.1f} | " + (f"{us / ref:.2f}x" if ref else "-") + " |")
+    return lines
+
+
+def decode_columns(rows: list[dict]) -> list[str]:
+    """Implementation columns: cute_attn's two always, then the peers in a fixed order and any other,
+    those with a timing in some row."""
+    order = ["SDPA flash", "SDPA cuDNN", "FA4", "FA4 paged", "FA2 kvcache"]
+    skip = {"part", "batch", "seqlen_q", "seqlen_k", "heads", "heads_kv", "head_dim", "page_size", "bytes",
+            "num_splits", "notes", "round_ms", "cute_attn", "cute_attn (no split)"}
+    seen = [c for r in rows for c in r if c not in skip and r[c]]
+    return (["cute_attn", "cute_attn (no split)"] + [c for c in order if c in seen]
+            + [c for c in dict.fromkeys(seen) if c not in order])
+
+
+def decode_table_lines(rows: list[dict], cols: list[str], copy_tbs: float | None) -> list[str]:
+    """Markdown: TB/s per implementation, the best peer (columns not named cute_attn*), cute_attn
+    over it and over the device copy."""
+    head = "| B | Sq | Sk | heads q/kv | paged | splits | " + " | ".join(cols) + \
+        " | best peer | cute_attn / best peer | cute_attn / copy |"
+    lines = [head, "|" + "---|" * (len(cols) + 9)]
+    for r in rows:
+        peers = {c: r[c] for c in cols if not c.startswith("cute_attn") and r.get(c)}
+        best = max(peers, key=peers.get) if peers else None
+        ours = r.get("cute_attn")
+        cells = [f"{r[c]:.2f}" if r.get(c) else "-" for c in cols]
+        lines.append(
+            f"| {r['batch']} | {r['seqlen_q']} | {r['seqlen_k']} | {r['heads']}/{r['heads_kv']} | "
+            f"{r['page_size'] or '-'} | {r.get('num_splits', '?')} | " + " | ".join(cells)
+            + (f" | {peers[best]:.2f} ({best})" if best else " | -")
+            + (f" | {ours / peers[best]:.2f}x" if best and ours else " | -")
+            + (f" | {ours / copy_tbs:.0%}" if ours and copy_tbs else " | -") + " |")
+    return lines
+
+
+def decode_rows(args):
+    """--decode / --decode-latency: the decode table, the Sk sweep, the host-overhead table."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    mods = _decode_modules(args.no_peers)
+    copy = _copy_rate(args)
+    print(f"# device copy (1 GiB dst.copy_(src), read + written): {copy['tbs']:.2f} TB/s", file=sys.stderr)
+    shapes = []
+    if args.decode:
+        shapes = decode_shapes(DECODE_TABLE, args.decode_sk, args.decode_sweep_heads, args.paged, args.decode_head_dim,
+                               include_table=not args.decode_sweep_only)
+    rows = []
+    for shape in shapes:
+        where = _decode_label(shape)
+        impls, notes, splits = _decode_impls(shape, dtype, mods, num_sms, where)
+        nbytes = decode_bytes(shape, elem)
+        times = _time_interleaved(impls, None, None, None, False, "fwd", args.rounds, where, args.sustained,
+                                  timed=_decode_timed)
+        row = {**shape, "bytes": nbytes, "num_splits": splits, "notes": notes}
+        for name, t in times.items():
+            row[name] = None if not t else nbytes / statistics.median(t) / 1e9
+        row["round_ms"] = times
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "round_ms"}), file=sys.stderr)
+        del impls
+        torch.cuda.empty_cache()
+    latency = _decode_latency(args, dtype, mods, num_sms) if args.decode_latency else None
+    _decode_report(rows, copy, latency, args)
+
+
+def _decode_report(rows, copy, latency, args):
+    gpu = torch.cuda.get_device_name()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    versions = {"torch": torch.__version__}
+    for key, dist in (("cutlass_dsl", "nvidia-cutlass-dsl"), ("fa4", "flash-attn-4"), ("flash_attn", "flash-attn")):
+        try:
+            from importlib.metadata import version
+
+            versions[key] = version(dist)
+        except Exception:  # noqa: BLE001
+            versions[key] = None
+    timing = (f"--sustained {args.sustained:g} s of back-to-back calls, no L2 flush" if args.sustained
+              else "median of per-call CUDA-event timings, L2 flushed and a sleep kernel before each call")
+    print(f"\n{gpu}, {stamp}, " + ", ".join(f"{k} {v}" for k, v in versions.items() if v)
+          + f", {args.dtype}, d {args.decode_head_dim}; {timing}; median of {args.rounds} rounds (shuffled order)")
+    print(f"device copy (1 GiB dst.copy_(src), bytes read + written / time): {copy['tbs']:.2f} TB/s")
+    meta = {"gpu": gpu, "date": stamp, **versions, "dtype": args.dtype, "head_dim": args.decode_head_dim,
+            "timing": timing, "rounds": args.rounds, "copy": copy}
+    os.makedirs(args.out, exist_ok=True)
+    for part, title, name in (("table", "decode table", "bench_decode.json"),
+                              ("sweep", "Sk sweep", "bench_decode_sweep.json")):
+        sel = [r for r in rows if r["part"] == part]
+        if not sel:
+            continue
+        print(f"\n{title}: TB/s of q + out + the K/V rows attended (splits: cute_attn's num_splits, '?' if its "
+              f"interface does not say)\n")
+        print("\n".join(decode_table_lines(sel, decode_columns(sel), copy["tbs"])))
+        notes = list(dict.fromkeys(n for r in sel for n in r["notes"]))
+        if notes:
+            print("\nhow the peers were called: " + "; ".join(notes))
+        with open(os.path.join(args.out, name), "w") as f:
+            json.dump({"meta": meta, "rows": sel}, f, indent=1)
+    sweep = [r for r in rows if r["part"] == "sweep"]
+    if sweep:
+        try:
+            _plot_decode(sweep, decode_columns(sweep), copy["tbs"], os.path.join(args.out, "bench_decode.png"),
+                         f"{gpu} decode, B1 Sq1 H{sweep[0]['heads']}/{sweep[0]['heads_kv']} d{args.decode_head_dim} "
+                         f"{args.dtype}")
+        except Exception as e:  # noqa: BLE001
+            print(f"# plot skipped: {e}", file=sys.stderr)
+    if latency is not None:
+        s = latency["shape"]
+        print(f"\nhost overhead: wall time per call from Python, {latency['calls']} back-to-back calls and one sync, "
+              f"B{s['batch']} Sq{s['seqlen_q']} Sk{s['seqlen_k']} H{s['heads']}/{s['heads_kv']} d{s['head_dim']} "
+              f"(bar: cute_attn within 10% of SDPA flash)\n")
+        print("\n".join(decode_latency_lines(latency)))
+        with open(os.path.join(args.out, "bench_decode_latency.json"), "w") as f:
+            json.dump({"meta": meta, **latency}, f, indent=1)
+
+
+def _plot_decode(rows, cols, copy_tbs, path, title):
+    """TB/s against Sk, one panel per cache layout (dense, each page size), the device copy dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pages = sorted({r["page_size"] for r in rows})
+    fig, axes = plt.subplots(1, len(pages), figsize=(4.8 * len(pages), 3.8), squeeze=False, sharey=True)
+    for ax, page in zip(axes[0], pages):
+        sel = [r for r in rows if r["page_size"] == page]
+        for col in cols:
+            if any(r.get(col) for r in sel):
+                ax.plot([r["seqlen_k"] for r in sel], [r.get(col) or float("nan") for r in sel], marker="o", label=col)
+        ax.axhline(copy_tbs, color="gray", linestyle="--", label="device copy")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"paged {page}" if page else "dense")
+        ax.set_xlabel("seqlen_k")
+        ax.set_ylabel("TB/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -6,6 +6,7 @@
                             window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None) -> (dq, dk, dv)
     torch.ops.cute_attn.fwd_varlen / bwd_varlen: the same with cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k after the tensors (FlashAttention's varlen layout)
+    torch.ops.cute_attn.fwd_kvcache: flash_attn_with_kvcache (no autograd; mutates the caches)
 
 Each op has a fake (meta) implementation giving its outputs' shapes, dtypes and strides without
 running anything, so ``torch.compile(fullgraph=True)`` traces through ``flash_attn_func`` and
@@ -127,3 +128,29 @@ def _backward_varlen(ctx, dout, _dlse):
 
 
 fwd_varlen.register_autograd(_backward_varlen, setup_context=_setup_varlen_context)
+
+
+# ---------------------------------------------------------------------------- KV-cache decode
+@torch.library.custom_op("cute_attn::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+                cache_seqlens: torch.Tensor | None, cache_seqlens_int: int | None,
+                cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None,
+                block_table: torch.Tensor | None, softmax_scale: float | None, causal: bool, window_left: int,
+                window_right: int, softcap: float, rotary_interleaved: bool, alibi_slopes: torch.Tensor | None,
+                num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attn_with_kvcache`` (it writes k/v into the caches: they are declared mutated).
+    cache_seqlens is a tensor or, as ``cache_seqlens_int``, an int (a schema has no union)."""
+    seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
+    return interface.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad, block_table,
+        softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved, alibi_slopes, num_splits,
+        return_softmax_lse=True)
+
+
+@fwd_kvcache.register_fake
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+                      cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
+                      softcap, rotary_interleaved, alibi_slopes, num_splits):
+    batch, seqlen_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)

@@ -29,41 +29,57 @@ def _right(causal: bool, window_right):
     return 0 if causal else window_right
 
 
-def n_block_max(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_right=None):
+def _query_rows(m_block, tile_m: int, qhead_per_kvhead=None):
+    """(first query, one past the last query) of Q block ``m_block``. With packed GQA
+    (``qhead_per_kvhead``: the query heads per K/V head, a run-time value) tile row p holds query
+    p // qhead_per_kvhead of head p % qhead_per_kvhead (kernels/sm80/forward.py)."""
+    if qhead_per_kvhead is None:
+        return m_block * tile_m, (m_block + 1) * tile_m
+    return m_block * tile_m // qhead_per_kvhead, ((m_block + 1) * tile_m - 1) // qhead_per_kvhead + 1
+
+
+def n_block_max(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_right=None,
+                qhead_per_kvhead=None):
     """One past the last K/V block that Q block ``m_block`` sees (<= 0: it sees no key)."""
     n_max = _ceil_div(seqlen_k, tile_n)
     right = _right(causal, window_right)
     if right is not None:
-        last_visible_key_plus_1 = (m_block + 1) * tile_m + seqlen_k - seqlen_q + right
+        _, end = _query_rows(m_block, tile_m, qhead_per_kvhead)
+        last_visible_key_plus_1 = end + seqlen_k - seqlen_q + right
         n_max = cutlass.min(n_max, _ceil_div(cutlass.max(last_visible_key_plus_1, 0), tile_n))
     return n_max
 
 
-def n_block_mask_start(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_right=None):
+def n_block_mask_start(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_right=None,
+                       qhead_per_kvhead=None):
     """First K/V block that needs the causal (right-window) mask: blocks below it are fully visible
     on that side to every row of the Q block. (The seqlen_k boundary block is always the first one
     processed and is masked too.)"""
     right = _right(causal, window_right)
     if right is not None:
-        first_row_last_key_plus_1 = m_block * tile_m + seqlen_k - seqlen_q + right + 1
+        first, _ = _query_rows(m_block, tile_m, qhead_per_kvhead)
+        first_row_last_key_plus_1 = first + seqlen_k - seqlen_q + right + 1
         return cutlass.max(first_row_last_key_plus_1, 0) // tile_n
     return n_block_max(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal)
 
 
-def n_block_min(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, window_left=None):
+def n_block_min(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, window_left=None, qhead_per_kvhead=None):
     """First K/V block that Q block ``m_block`` sees (0 without a left window)."""
     if window_left is None:
         return 0
-    first_row_first_key = m_block * tile_m + seqlen_k - seqlen_q - window_left
+    first, _ = _query_rows(m_block, tile_m, qhead_per_kvhead)
+    first_row_first_key = first + seqlen_k - seqlen_q - window_left
     return cutlass.max(first_row_first_key, 0) // tile_n
 
 
-def n_block_left_mask_end(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, window_left=None):
+def n_block_left_mask_end(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, window_left=None,
+                          qhead_per_kvhead=None):
     """K/V blocks in [n_block_min, n_block_left_mask_end) hold keys that some row of the Q block has
     already left behind (left-window mask); from there on every row sees them on that side."""
     if window_left is None:
         return 0
-    last_row_first_key = (m_block + 1) * tile_m - 1 + seqlen_k - seqlen_q - window_left
+    _, end = _query_rows(m_block, tile_m, qhead_per_kvhead)
+    last_row_first_key = end - 1 + seqlen_k - seqlen_q - window_left
     return _ceil_div(cutlass.max(last_row_first_key, 0), tile_n)
 
 
@@ -110,30 +126,52 @@ def m_block_left_mask_start(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_
 
 
 def forward_walk(m_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_left=None,
-                 window_right=None, at_least_one: bool = False):
+                 window_right=None, at_least_one: bool = False, qhead_per_kvhead=None):
     """How Q block ``m_block`` walks its K/V blocks, from the last visible one down:
     (n_block_max, n_masked_right, n_unmasked, n_masked_left). The blocks are n_block_max - 1 down
     to n_block_max - (n_masked_right + n_unmasked + n_masked_left); the first n_masked_right cross
     the seqlen_k end or the right edge (causal diagonal / window), the last n_masked_left the
     window's left edge, the rest need no mask. The first block is always masked (it may end past
     seqlen_k). ``at_least_one``: a Q block that sees no key still runs one (fully masked) block,
-    for kernels whose pipelines expect one (its rows end with O = 0, LSE = +inf)."""
+    for kernels whose pipelines expect one (its rows end with O = 0, LSE = +inf).
+    ``qhead_per_kvhead``: packed GQA rows (``_query_rows``)."""
     right = _right(causal, window_right)
-    n_max = n_block_max(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal, window_right)
-    n_min = n_block_min(m_block, tile_m, tile_n, seqlen_q, seqlen_k, window_left)
+    pack = qhead_per_kvhead
+    n_max = n_block_max(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal, window_right, pack)
+    n_min = n_block_min(m_block, tile_m, tile_n, seqlen_q, seqlen_k, window_left, pack)
     if at_least_one:
         n_max = cutlass.max(n_max, 1)
         n_min = cutlass.min(n_min, n_max - 1)
     total = cutlass.max(n_max - n_min, 0)
     n_right = cutlass.min(total, 1)
     if right is not None:
-        mask_start = n_block_mask_start(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal, window_right)
+        mask_start = n_block_mask_start(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal, window_right, pack)
         n_right = cutlass.max(n_max - cutlass.max(mask_start, n_min), n_right)
     n_left = 0
     if window_left is not None:
-        left_end = n_block_left_mask_end(m_block, tile_m, tile_n, seqlen_q, seqlen_k, window_left)
+        left_end = n_block_left_mask_end(m_block, tile_m, tile_n, seqlen_q, seqlen_k, window_left, pack)
         n_left = cutlass.max(cutlass.min(left_end, n_max - n_right) - n_min, 0)
     return n_max, n_right, total - n_right - n_left, n_left
+
+
+def split_blocks(seqlen_k, tile_n: int, num_splits):
+    """Split-KV: K/V blocks per split, so that ``num_splits`` splits cover this sequence's keys."""
+    return _ceil_div(_ceil_div(seqlen_k, tile_n), num_splits)
+
+
+def clip_walk(walk, n_lo, n_hi):
+    """The part of a ``forward_walk`` within K/V blocks [n_lo, n_hi) (one split of split-KV), in
+    the same form; empty (0 blocks) when they do not meet. The masked blocks stay masked: those
+    crossing the right edge are the top of the walk, those crossing the left edge its bottom. An
+    empty part still ends within [n_min, n_max] (a kernel's prologue loads the block below its end,
+    which must lie within the keys)."""
+    n_max, n_right, n_unmasked, n_left = walk
+    n_min = n_max - n_right - n_unmasked - n_left
+    lo = cutlass.min(cutlass.max(n_min, n_lo), n_max)
+    hi = cutlass.max(cutlass.min(n_max, n_hi), lo)
+    right = cutlass.max(hi - cutlass.max(n_max - n_right, lo), 0)
+    left = cutlass.max(cutlass.min(n_min + n_left, hi - right) - lo, 0)
+    return hi, right, hi - lo - right - left, left
 
 
 def backward_walk(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, causal: bool, window_left=None,

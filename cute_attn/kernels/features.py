@@ -9,6 +9,15 @@ kernel arguments, so a new value never compiles.
 - ``softcap``: scores = softcap * tanh(scores / softcap) (mask.apply_softcap).
 - ``alibi``: the bias -slope * |i + seqlen_k - seqlen_q - j| per head (and batch).
 - ``varlen``: packed sequences delimited by cu_seqlens_q / cu_seqlens_k (seqlen_info).
+
+KV-cache decode (SM80-family forward only; interface.flash_attn_with_kvcache):
+- ``kvcache``: per-sequence key counts, first key rows and cache batch rows come from int32
+  tensors (cache_seqlens, cache_leftpad, cache_batch_idx) instead of the tensors' shapes.
+- ``paged``: K/V rows are gathered through a block table from (pages, page_size, heads_kv, d).
+- ``split``: the K/V range of each (Q block, head, sequence) is cut into run-time ``num_splits``
+  pieces run by separate CTAs, each writing an fp32 partial O and LSE (kernels/combine.py merges).
+- ``pack_gqa``: the query heads sharing a K/V head fill the rows of one tile with the queries,
+  so each K/V block is read once per K/V head.
 """
 
 from dataclasses import dataclass
@@ -20,20 +29,30 @@ class Features:
     softcap: bool = False
     alibi: bool = False
     varlen: bool = False
+    kvcache: bool = False
+    paged: bool = False
+    split: bool = False
+    pack_gqa: bool = False
 
     @property
     def suffix(self) -> str:
         """For kernel names: '_local_softcap', '' when none."""
-        return "".join(f"_{name}" for name in ("local", "softcap", "alibi", "varlen") if getattr(self, name))
+        return "".join(f"_{name}" for name in FEATURE_NAMES if getattr(self, name))
+
+    @property
+    def decode(self) -> bool:
+        """Any of the KV-cache decode features (which only the SM80-family forward has)."""
+        return self.kvcache or self.paged or self.split or self.pack_gqa
 
 
+FEATURE_NAMES = ("local", "softcap", "alibi", "varlen", "kvcache", "paged", "split", "pack_gqa")
 NO_FEATURES = Features()
 
 
 def parse_features(spec: str) -> Features:
     """'none' or names joined by commas ('local,softcap'): the command-line form of the tools."""
     names = [n for n in spec.split(",") if n and n != "none"]
-    unknown = set(names) - {"local", "softcap", "alibi", "varlen"}
+    unknown = set(names) - set(FEATURE_NAMES)
     if unknown:
-        raise ValueError(f"unknown features {sorted(unknown)}: choose from local, softcap, alibi, varlen, none")
+        raise ValueError(f"unknown features {sorted(unknown)}: choose from {', '.join(FEATURE_NAMES)}, none")
     return Features(**{n: True for n in names})

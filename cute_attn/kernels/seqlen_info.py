@@ -12,6 +12,10 @@ Q blocks, so in varlen each sequence starts there at a row padded to ``VARLEN_RO
 disjoint whole blocks of every tile_m dividing PAD, and the buffers hold
 ``total_q + batch * PAD`` rows (rounded up to PAD) (``varlen_padded_rows``).
 
+KV caches (the ``kvcache`` feature, dense batches only): sequence b's keys are rows
+cache_leftpad[b] : cache_seqlens[b] of cache batch row cache_batch_idx[b]; all three are (batch,)
+int32 tensors (``mSeqUsedK``, ``mLeftPadK``, ``mKVBatchIdx``).
+
 ``SeqlenInfo`` is read once per tile by every kernel; a dense kernel gets plain Python zeros for
 the offsets, so its code is what it was before varlen existed.
 """
@@ -32,7 +36,8 @@ class SeqlenInfo:
     """Sequence ``batch``'s lengths and row offsets. ``mCuSeqlensQ``/``mCuSeqlensK`` None: dense,
     the lengths are the tensors' (``seqlen_q_static``/``seqlen_k_static``)."""
 
-    def __init__(self, batch, seqlen_q_static, seqlen_k_static, mCuSeqlensQ=None, mCuSeqlensK=None):
+    def __init__(self, batch, seqlen_q_static, seqlen_k_static, mCuSeqlensQ=None, mCuSeqlensK=None,
+                 mSeqUsedK=None, mLeftPadK=None, mKVBatchIdx=None):
         self.varlen = mCuSeqlensQ is not None
         self.batch = batch
         if const_expr(self.varlen):
@@ -47,6 +52,13 @@ class SeqlenInfo:
             self.offset_q = self.offset_k = self.padded_offset_q = 0
             self.seqlen_q, self.seqlen_k = seqlen_q_static, seqlen_k_static
             self.tensor_batch = batch
+        self.kv_batch = self.tensor_batch  # K/V's batch index
+        self.shift_k = self.varlen
+        if const_expr(mSeqUsedK is not None):  # a KV cache (dense batch)
+            self.offset_k = mLeftPadK[batch]
+            self.seqlen_k = mSeqUsedK[batch] - self.offset_k
+            self.kv_batch = mKVBatchIdx[batch]
+            self.shift_k = True
 
     # Tensors of one (batch, head) with the sequence mode first: shift it to the sequence's first row.
     def q_rows(self, mX: cute.Tensor) -> cute.Tensor:
@@ -55,7 +67,7 @@ class SeqlenInfo:
 
     def k_rows(self, mX: cute.Tensor) -> cute.Tensor:
         """``mX`` (seqlen_k, ...) of this batch index, from the sequence's first key."""
-        return _shift(mX, self.offset_k, self.varlen)
+        return _shift(mX, self.offset_k, self.shift_k)
 
     def padded_q_rows(self, mX: cute.Tensor) -> cute.Tensor:
         """A backward row buffer (seqlen_q_padded, ...) from the sequence's first padded row."""

@@ -123,7 +123,7 @@ def gemm_rs(
 
 
 @cute.jit
-def _vector_predicate(
+def vector_predicate(
     dst: cute.Tensor,
     coords: cute.Tensor,
     m: cutlass.Constexpr[int],
@@ -166,7 +166,7 @@ def copy_rows(
         cute.copy(tiled_copy, src, dst)
     else:
         for m in cutlass.range_constexpr(cute.size(dst.shape[1])):
-            pred = _vector_predicate(dst, coords, m, rows_left, cols_valid, check_rows, check_cols)
+            pred = vector_predicate(dst, coords, m, rows_left, cols_valid, check_rows, check_cols)
             cute.copy(tiled_copy, src[None, m, None], dst[None, m, None], pred=pred)
 
 
@@ -184,7 +184,7 @@ def store_rows(
     for m in cutlass.range_constexpr(cute.size(dst.shape[1])):
         if coords[0, m, 0][0] < rows_left:
             if const_expr(check_cols):
-                pred = _vector_predicate(dst, coords, m, rows_left, cols_valid, False, True)
+                pred = vector_predicate(dst, coords, m, rows_left, cols_valid, False, True)
                 cute.copy(tiled_copy, src[None, m, None], dst[None, m, None], pred=pred)
             else:
                 cute.copy(tiled_copy, src[None, m, None], dst[None, m, None])
@@ -205,6 +205,15 @@ def store_acc_tile(
     """Write a converted accumulator tile (MMA C layout in registers) to global memory through
     shared memory ``sX``, so that the global stores are 128-bit and row-contiguous. The caller makes
     sure nobody still reads ``sX``'s memory (a barrier) before calling."""
+    thr_store, tXrX, coords = acc_tile_to_rows(rX, sX, mma, copy_store, tidx)
+    store_rows(copy_store, tXrX, thr_store.partition_D(gX), coords, rows_left, cols_valid, check_cols)
+
+
+@cute.jit
+def acc_tile_to_rows(rX: cute.Tensor, sX: cute.Tensor, mma: cute.TiledMma, copy_store: cute.TiledCopy, tidx: Int32):
+    """``store_acc_tile``'s first half: the accumulator tile through ``sX`` into each thread's
+    row-contiguous vectors of ``copy_store``. Returns (the thread's copy slice, its vectors, their
+    (row, col) coordinates)."""
     r2s = cute.make_tiled_copy_C(
         cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), rX.element_type, num_bits_per_copy=2 * rX.element_type.width),
         mma,
@@ -216,4 +225,4 @@ def store_acc_tile(
     tXrX = cute.make_fragment_like(tXsX, rX.element_type)
     cute.autovec_copy(tXsX, tXrX)
     coords = thr_store.partition_S(cute.make_identity_tensor((cute.size(sX.shape[0]), cute.size(sX.shape[1]))))
-    store_rows(copy_store, tXrX, thr_store.partition_D(gX), coords, rows_left, cols_valid, check_cols)
+    return thr_store, tXrX, coords

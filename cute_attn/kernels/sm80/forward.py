@@ -11,6 +11,19 @@ Per K/V block n (``_attend_block``):
     -> wait for V[n] -> O += P V[n] -> issue cp.async for K[n-2]
 K and V each have ``num_stages`` shared-memory buffers, so with 2 stages the loads of blocks
 n-1 and n-2 overlap the MMAs of block n. (With one stage K[n-1] is issued right after S.)
+
+KV-cache decode (features kvcache, paged, split, pack_gqa; interface.flash_attn_with_kvcache) is
+this kernel too, on every GPU: decoding is bound by reading K and V, which cp.async does as well as
+TMA, so what matters is how many CTAs read at once.
+- kvcache: per-sequence key ranges from cache_seqlens / cache_leftpad / cache_batch_idx (seqlen_info).
+- paged: K/V block n of sequence b is rows (n * tile_n) % page_size.. of page
+  block_table[b, n * tile_n // page_size] (tile_n divides the page size: traits.sm80_decode_traits).
+- split: the grid's z is (sequence, split); each split walks its share of the K/V blocks
+  (block_info.clip_walk) and writes O and LSE in fp32 to the split's slice of the accumulators, which
+  kernels/combine.py merges. A split that sees no key writes O = 0 and LSE = +inf.
+- pack_gqa: the grid's y is the K/V head; tile row p is query p // g of query head
+  head_kv * g + p % g (g query heads per K/V head), so the g heads of a decode step (seqlen_q = 1)
+  share one CTA and each K/V block is read once. Q is loaded and O stored row by row.
 """
 
 from functools import partial
@@ -24,7 +37,7 @@ from cutlass import Float32, Int32, const_expr
 
 from cute_attn.kernels import block_info
 from cute_attn.kernels.features import NO_FEATURES, Features
-from cute_attn.kernels.layout import acc_to_operand_a, convert, transpose_smem
+from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
 from cute_attn.kernels.mask import alibi_slope_units, apply_score_mods
 from cute_attn.kernels.seqlen_info import SeqlenInfo
 from cute_attn.kernels.softmax import OnlineSoftmax
@@ -65,6 +78,12 @@ class FlashAttentionForwardSm80:
         self.check_hdim = check_hdim
         self.pv_chunks = pv_chunks
         self.features = features
+        f = features
+        # the decode features serve dense batches (flash_attn_with_kvcache, forward's split path)
+        assert not (f.varlen and f.decode), "kvcache / paged / split / pack_gqa: dense batches only"
+        assert not (f.paged and not f.kvcache), "a paged cache needs the per-sequence key counts (kvcache)"
+        # packed rows mix query heads: a per-head ALiBi slope would have to be per row
+        assert not (f.pack_gqa and f.alibi), "pack_gqa without ALiBi"
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -83,6 +102,13 @@ class FlashAttentionForwardSm80:
         window_left: Int32,  # local: the window's edges (an unbounded side is huge)
         window_right: Int32,
         softcap_scale: Float32,  # softcap: softmax_scale / softcap
+        mSeqUsedK: cute.Tensor | None,  # kvcache: (batch,) int32, one past each sequence's last key row
+        mLeftPadK: cute.Tensor | None,  # kvcache: (batch,) int32, each sequence's first key row
+        mKVBatchIdx: cute.Tensor | None,  # kvcache: (batch,) int32, each sequence's K/V batch row
+        mBlockTable: cute.Tensor | None,  # paged: (batch, max_pages) int32; K/V (pages, page_size, heads_kv, d)
+        mOAccum: cute.Tensor | None,  # split: (num_splits, batch, seqlen_q, heads, d) fp32
+        mLSEAccum: cute.Tensor | None,  # split: (num_splits, batch, heads, seqlen_q) fp32
+        num_splits: Int32,  # split: K/V pieces per (Q block, head, sequence)
         stream: cuda.CUstream,
     ):
         atom = common.smem_layout_atom(self.dtype, self.head_dim)
@@ -99,14 +125,21 @@ class FlashAttentionForwardSm80:
         copy_store = common.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, asynchronous=False)
         mma = common.tiled_mma(self.dtype, self.num_warps)
         varlen = const_expr(mCuSeqlensQ is not None)
-        num_m_blocks = cute.ceil_div(max_seqlen_q if varlen else mQ.shape[1], self.tile_m)
+        rows = max_seqlen_q if varlen else mQ.shape[1]
+        heads = mQ.shape[2]
+        if const_expr(self.features.pack_gqa):  # a tile's rows: (query, query head of this K/V head)
+            rows, heads = rows * (mQ.shape[2] // mK.shape[2]), mK.shape[2]
+        num_m_blocks = cute.ceil_div(rows, self.tile_m)
         batch = mCuSeqlensQ.shape[0] - 1 if varlen else mQ.shape[0]
+        if const_expr(self.features.split):
+            batch = batch * num_splits
         self.kernel(
             mQ, mK, mV, mO, mLSE, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mAlibiSlopes,
-            window_left, window_right, softcap_scale,
+            window_left, window_right, softcap_scale, mSeqUsedK, mLeftPadK, mKVBatchIdx, mBlockTable,
+            mOAccum, mLSEAccum, num_splits,
             sQ_layout, sKV_layout, copy_load, copy_store, mma, SharedStorage,
         ).launch(
-            grid=(num_m_blocks, cute.size(mQ.shape[2]), cute.size(batch)),
+            grid=(num_m_blocks, cute.size(heads), cute.size(batch)),
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -128,6 +161,13 @@ class FlashAttentionForwardSm80:
         window_left: Int32,
         window_right: Int32,
         softcap_scale: Float32,
+        mSeqUsedK: cute.Tensor | None,
+        mLeftPadK: cute.Tensor | None,
+        mKVBatchIdx: cute.Tensor | None,
+        mBlockTable: cute.Tensor | None,
+        mOAccum: cute.Tensor | None,
+        mLSEAccum: cute.Tensor | None,
+        num_splits: Int32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         copy_load: cute.TiledCopy,
@@ -138,12 +178,17 @@ class FlashAttentionForwardSm80:
         tidx, _, _ = cute.arch.thread_idx()
         m_block_raw, head, batch = cute.arch.block_idx()
         num_m_blocks, _, _ = cute.arch.grid_dim()
+        split = Int32(0)
+        if const_expr(self.features.split):
+            split = batch % num_splits
+            batch = batch // num_splits
         # causal: the last Q blocks see the most keys; launching them first evens out the tail
         m_block = num_m_blocks - 1 - m_block_raw if const_expr(self.causal) else m_block_raw
-        seq = SeqlenInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK)
+        seq = SeqlenInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftPadK, mKVBatchIdx)
         tile = partial(
             self._tile, mQ, mK, mV, mO, mLSE, softmax_scale_log2, mAlibiSlopes, window_left, window_right,
-            softcap_scale, sQ_layout, sKV_layout, copy_load, copy_store, mma, SharedStorage, seq, m_block, head, tidx,
+            softcap_scale, mBlockTable, mOAccum, mLSEAccum, num_splits, split,
+            sQ_layout, sKV_layout, copy_load, copy_store, mma, SharedStorage, seq, m_block, head, tidx,
         )
         if const_expr(self.features.varlen):
             if m_block * self.tile_m < seq.seqlen_q:  # the grid is sized for the longest sequence
@@ -164,6 +209,11 @@ class FlashAttentionForwardSm80:
         window_left: Int32,
         window_right: Int32,
         softcap_scale: Float32,
+        mBlockTable: cute.Tensor | None,
+        mOAccum: cute.Tensor | None,
+        mLSEAccum: cute.Tensor | None,
+        num_splits: Int32,
+        split: Int32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         copy_load: cute.TiledCopy,
@@ -175,24 +225,39 @@ class FlashAttentionForwardSm80:
         head: Int32,
         tidx: Int32,
     ):
-        """One (Q block, head, sequence) tile: the whole CTA's work."""
+        """One (Q block, head, sequence) tile (pack_gqa: K/V head; split: one split of it): the
+        whole CTA's work."""
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         head_dim = mQ.shape[3]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA/MQA: K/V are shared, never copied
+        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]  # GQA/MQA: K/V are shared, never copied
+        pack = None  # packed GQA: tile row p is query p // pack of query head head_kv * pack + p % pack
+        if const_expr(self.features.pack_gqa):
+            head_kv, pack = head, qhead_per_kvhead
+            rows_q = seqlen_q * qhead_per_kvhead
+        else:
+            head_kv = head // qhead_per_kvhead
+            rows_q = seqlen_q
         window_left = window_left if const_expr(self.features.local) else None
         window_right = window_right if const_expr(self.features.local) else None
-        n_block_max, n_masked_right, n_unmasked, n_masked_left = block_info.forward_walk(
-            m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal, window_left, window_right
+        walk = block_info.forward_walk(
+            m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal, window_left, window_right,
+            qhead_per_kvhead=pack,
         )
+        if const_expr(self.features.split):  # this split's share of the K/V blocks
+            per_split = block_info.split_blocks(seqlen_k, self.tile_n, num_splits)
+            walk = block_info.clip_walk(walk, split * per_split, (split + 1) * per_split)
+        n_block_max, n_masked_right, n_unmasked, n_masked_left = walk
         n_first = cutlass.max(n_block_max - 1, 0)
 
         # ---- tiles of this CTA in global memory
         tile_q = (self.tile_m, self.head_dim)
         tile_kv = (self.tile_n, self.head_dim)
         b = seq.tensor_batch
-        gQ = cute.local_tile(seq.q_rows(mQ[b, None, head, None]), tile_q, (m_block, 0))
-        gK = cute.local_tile(seq.k_rows(mK[b, None, head_kv, None]), tile_kv, (None, 0))  # (n, d, n_block)
-        gV = cute.local_tile(seq.k_rows(mV[b, None, head_kv, None]), tile_kv, (None, 0))
+        gQ = cute.local_tile(seq.q_rows(mQ[b, None, head if const_expr(pack is None) else 0, None]), tile_q,
+                             (m_block, 0))  # pack_gqa: only its column layout is used (_copy_packed_rows)
+        kv_b = 0 if const_expr(self.features.paged) else seq.kv_batch  # paged: the page (_load_kv)
+        gK = cute.local_tile(seq.k_rows(mK[kv_b, None, head_kv, None]), tile_kv, (None, 0))  # (n, d, n_block)
+        gV = cute.local_tile(seq.k_rows(mV[kv_b, None, head_kv, None]), tile_kv, (None, 0))
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
@@ -236,19 +301,31 @@ class FlashAttentionForwardSm80:
             apply_score_mods, tScS=tScS, tScS_thread0=tScS_thread0, m_block=m_block, tile_m=self.tile_m,
             tile_n=self.tile_n, causal=self.causal, seqlen_q=seqlen_q,
             seqlen_k=seqlen_k, window_left=window_left, window_right=window_right, alibi_slope=alibi_slope,
-            softcap_scale=softcap_scale if const_expr(self.features.softcap) else None,
+            softcap_scale=softcap_scale if const_expr(self.features.softcap) else None, qhead_per_kvhead=pack,
         )
 
-        load_K = partial(self._load_kv, copy_load, tKgK, tKsK, tKVcKV, seqlen_k, head_dim)
-        load_V = partial(self._load_kv, copy_load, tVgV, tVsV, tKVcKV, seqlen_k, head_dim)
+        pages_k = pages_v = None
+        if const_expr(self.features.paged):  # (block table row, K or V of this head by page, the copy slice)
+            table = mBlockTable[seq.batch, None]
+            pages_k = (table, mK[None, None, head_kv, None], thr_load)
+            pages_v = (table, mV[None, None, head_kv, None], thr_load)
+        load_K = partial(self._load_kv, copy_load, tKgK, tKsK, tKVcKV, seqlen_k, head_dim, pages_k)
+        load_V = partial(self._load_kv, copy_load, tVgV, tVsV, tKVcKV, seqlen_k, head_dim, pages_v)
+
+        # the rows of one packed-GQA tile: (query, query head) of this Q block's row p
+        row_q_head = partial(self._row_q_head, m_block, head, pack)
 
         # ---- prologue: Q and the first K (one cp.async group), then the other stages.
         # Group order: [Q, K0] V0 K1 (2 stages) or [Q, K0] (1 stage); each iteration then commits
         # one V and one K group, so "wait until at most 2*s - 2 groups are pending" always means
         # "the oldest group has landed".
-        common.copy_rows(
-            copy_load, tQgQ, tQsQ, tQcQ, seqlen_q - m_block * self.tile_m, head_dim, True, self.check_hdim
-        )
+        rows_left = rows_q - m_block * self.tile_m
+        if const_expr(pack is None):
+            common.copy_rows(copy_load, tQgQ, tQsQ, tQcQ, rows_left, head_dim, True, self.check_hdim)
+        else:
+            mQ_rows = seq.q_rows(mQ[b, None, None, None])  # (seqlen_q, heads, d)
+            self._copy_packed_rows(copy_load, tQgQ, tQsQ, tQcQ, rows_left, head_dim, mQ_rows, row_q_head,
+                                   to_global=False)
         load_K(n_first, 0, boundary=True)
         cute.arch.cp_async_commit_group()
         if const_expr(self.num_stages == 2):
@@ -282,22 +359,86 @@ class FlashAttentionForwardSm80:
 
         # ---- epilogue: O /= rowsum, LSE; O goes registers -> shared (reusing sQ) -> global
         lse = softmax.finalize(acc_O)
-        rO = convert(acc_O, self.dtype)
-
-        # LSE: the thread holding column 0 of a row writes it
-        gLSE = cute.local_tile(seq.q_rows(mLSE[b, head, None]), (self.tile_m,), (m_block,))
         tOcO = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        rows_left = seqlen_q - m_block * self.tile_m
-        if tOcO[0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = tOcO[(0, r % 2), r // 2, 0][0]
-                if row < rows_left:
-                    gLSE[row] = lse[r]
+        if const_expr(self.features.split):
+            # fp32 partials of this split, straight from registers (a decode tile has few rows)
+            self._store_partial(acc_O, lse, tOcO, mOAccum[split, b, None, None, None],
+                                mLSEAccum[split, b, None, None], rows_left, head_dim, row_q_head)
+        else:
+            rO = convert(acc_O, self.dtype)
+            # LSE: the thread holding column 0 of a row writes it
+            gLSE = cute.local_tile(seq.q_rows(mLSE[b, head, None]), (self.tile_m,), (m_block,))
+            if tOcO[0][1] == 0:
+                for r in cutlass.range_constexpr(cute.size(lse)):
+                    row = tOcO[(0, r % 2), r // 2, 0][0]
+                    if row < rows_left:
+                        if const_expr(pack is None):
+                            gLSE[row] = lse[r]
+                        else:
+                            q_idx, h = row_q_head(row)
+                            mLSE[b, h, q_idx] = lse[r]
 
-        cute.arch.barrier()  # every warp is done reading sQ and sV: O reuses sQ's memory
-        sO = cute.make_tensor(sQ.iterator, sQ_layout)
-        gO = cute.local_tile(seq.q_rows(mO[b, None, head, None]), tile_q, (m_block, 0))
-        common.store_acc_tile(rO, sO, mma, copy_store, gO, tidx, rows_left, head_dim, self.check_hdim)
+            cute.arch.barrier()  # every warp is done reading sQ and sV: O reuses sQ's memory
+            sO = cute.make_tensor(sQ.iterator, sQ_layout)
+            if const_expr(pack is None):
+                gO = cute.local_tile(seq.q_rows(mO[b, None, head, None]), tile_q, (m_block, 0))
+                common.store_acc_tile(rO, sO, mma, copy_store, gO, tidx, rows_left, head_dim, self.check_hdim)
+            else:  # through shared memory as store_acc_tile does, then row by row to (query, head)
+                thr_store, tOrO, tOcO_store = common.acc_tile_to_rows(rO, sO, mma, copy_store, tidx)
+                tOgO = thr_store.partition_D(gQ)  # the column layout of a row (like Q's)
+                self._copy_packed_rows(copy_store, tOgO, tOrO, tOcO_store, rows_left, head_dim,
+                                       seq.q_rows(mO[b, None, None, None]), row_q_head, to_global=True)
+
+    def _row_q_head(self, m_block: Int32, head: Int32, pack, row: Int32):
+        """(query, query head) of tile row ``row`` of Q block ``m_block``: with packed GQA (``pack``
+        query heads per K/V head ``head``) row p of the packed rows is query p // pack of head
+        head * pack + p % pack; otherwise the row's own query of ``head``."""
+        p = m_block * self.tile_m + row
+        if const_expr(pack is None):
+            return p, head
+        q_idx = p // pack
+        return q_idx, head * pack + (p - q_idx * pack)
+
+    @cute.jit
+    def _copy_packed_rows(self, tiled_copy: cute.TiledCopy, tXgX: cute.Tensor, tXrX: cute.Tensor, tXcX: cute.Tensor,
+                          rows_left: Int32, head_dim: Int32, mRows: cute.Tensor, row_q_head,
+                          to_global: cutlass.Constexpr[bool]):
+        """Copy a (CPY, ROWS, COLS) partition row by row between a tile and the rows of ``mRows``
+        (seqlen_q, heads, d) that ``row_q_head`` names (packed GQA): ``tXgX``, a partition of any
+        dense tile, gives the column layout of one row; each row's address is its own. Rows at or
+        past ``rows_left`` are skipped (zero-filled on load); columns past ``head_dim`` too."""
+        for m in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
+            # (a row past rows_left has an address past the tensor; its predicate keeps it untouched)
+            q_idx, h = row_q_head(tXcX[0, m, 0][0])
+            row_ptr = mRows[q_idx, h, None].iterator + tXcX[0, m, 0][1]
+            g_row = cute.make_tensor(row_ptr, tXgX[None, m, None].layout)
+            pred = common.vector_predicate(tXrX, tXcX, m, rows_left, head_dim, True, self.check_hdim)
+            if const_expr(to_global):
+                cute.copy(tiled_copy, tXrX[None, m, None], g_row, pred=pred)
+            else:
+                cute.copy(tiled_copy, g_row, tXrX[None, m, None], pred=pred)
+
+    @cute.jit
+    def _store_partial(self, acc_O: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, mOAccum: cute.Tensor,
+                       mLSEAccum: cute.Tensor, rows_left: Int32, head_dim: Int32, row_q_head):
+        """Split-KV: this split's O (normalised by its own row sums) and LSE, fp32, to its slices
+        mOAccum (seqlen_q, heads, d) and mLSEAccum (heads, seqlen_q)."""
+        O = acc_to_rows_cols(acc_O)
+        coords = acc_to_rows_cols(tOcO)
+        for r in cutlass.range_constexpr(cute.size(O.shape[0])):
+            row = coords[r, 0][0]
+            if row < rows_left:
+                q_idx, h = row_q_head(row)
+                out_row = mOAccum[q_idx, h, None]
+                for c in cutlass.range_constexpr(cute.size(O.shape[1])):
+                    col = coords[r, c][1]
+                    if const_expr(self.check_hdim):
+                        if col < head_dim:
+                            out_row[col] = O[r, c]
+                    else:
+                        out_row[col] = O[r, c]
+                if coords[0, 0][1] == 0:  # the thread holding column 0 of the row
+                    mLSEAccum[h, q_idx] = lse[r]
 
     @cute.jit
     def _load_kv(
@@ -308,13 +449,28 @@ class FlashAttentionForwardSm80:
         tXcX: cute.Tensor,
         seqlen_k: Int32,
         head_dim: Int32,
+        pages,
         n_block: Int32,
         stage,
         boundary: cutlass.Constexpr[bool],
     ):
-        """cp.async one K or V block into a stage; ``boundary``: the block may end past seqlen_k."""
+        """cp.async one K or V block into a stage; ``boundary``: the block may end past seqlen_k.
+        ``pages``: a paged cache (block table row, K or V by page, the thread's copy slice): the
+        block is a tile_n-row slice of one page (tile_n divides the page size)."""
+        if const_expr(pages is None):
+            src = tXgX[None, None, None, n_block]
+        else:
+            table, mX_pages, thr_load = pages
+            page_size = mX_pages.shape[1]
+            row = n_block * self.tile_n
+            page_idx = row // page_size
+            # (clamped: a sequence without keys still loads block 0, every row predicated off)
+            page = table[cutlass.min(page_idx, cute.size(table.shape[0]) - 1)]
+            g_block = cute.local_tile(mX_pages[page, None, None], (self.tile_n, self.head_dim),
+                                      ((row - page_idx * page_size) // self.tile_n, 0))
+            src = thr_load.partition_S(g_block)
         common.copy_rows(
-            copy_load, tXgX[None, None, None, n_block], tXsX[None, None, None, stage], tXcX,
+            copy_load, src, tXsX[None, None, None, stage], tXcX,
             seqlen_k - n_block * self.tile_n, head_dim, boundary, self.check_hdim,
         )
 

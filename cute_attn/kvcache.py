@@ -1,0 +1,395 @@
+"""KV-cache decode, host side: argument checks, the rotary embedding and the in-place cache append.
+
+No kernel code here. ``check_kvcache_args`` validates a ``flash_attn_with_kvcache`` call the way
+FlashAttention-2's ``mha_fwd_kvcache`` does (every check before anything is launched; a ValueError
+or TypeError naming the argument, what was given and what is expected; the CUDA-device check last,
+so every other error can be tested on CPU) and returns a ``KVCachePlan``. ``append_kv`` and
+``rotate_q`` are plain torch on the device: no host synchronisation and no data-dependent shapes,
+so a decode step can be captured in a CUDA graph and replayed with new cache_seqlens values.
+
+Left to the caller, as FlashAttention-2 does (checking them would synchronise with the GPU):
+cache_seqlens[b] + seqlen_new <= cache_len and cache_leftpad[b] <= cache_seqlens[b] for each
+sequence; cache_batch_idx entries in [0, batch_cache) and distinct when k/v are appended;
+block_table page ids in [0, num_pages), and the pages a call writes not shared by two sequences;
+with rotary, q's positions (up to cache_seqlens[b] + seqlen_q - 1 when causal or local) below
+seqlen_ro. Out of range, a gather or a cache write is a device-side assert on CUDA, not an error here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cute_attn.interface import _check_cuda, _check_kind, _check_layout
+from cute_attn.traits import MAX_HEAD_DIM
+
+PAGE_MULTIPLE = 16  # a paged cache's page size must be a multiple of this many keys
+
+
+@dataclass(frozen=True, eq=False)
+class KVCachePlan:
+    """A validated ``flash_attn_with_kvcache`` call: sizes, and the int32 tensors as the kernels read them."""
+
+    batch: int
+    seqlen_q: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    seqlen_new: int  # rows of k/v appended (0 without k)
+    paged: bool
+    page_size: int  # keys per page (0 unless paged)
+    cache_len: int  # rows one sequence can hold: seqlen_cache, or max_pages * page_size when paged
+    rotary_dim: int  # columns rotated (0 without rotary)
+    rotary_interleaved: bool
+    num_splits: int  # as given: 0 = heuristic, 1 = no split, n > 1 = n
+    max_seqlen_k: int  # host-side bound on the keys one sequence attends (cache_len, or int cache_seqlens + seqlen_new)
+    cache_seqlens: torch.Tensor  # (batch,) int32 on q's device; from an int or None a shared cached tensor: read only
+    cache_batch_idx: torch.Tensor | None  # (batch,) int32, or None
+    cache_leftpad: torch.Tensor | None  # (batch,) int32, or None
+    block_table: torch.Tensor | None  # (batch, max_pages) int32, last dim contiguous (paged), or None
+
+
+# ---------------------------------------------------------------------------- device constants
+# small read-only int tensors of the per-call path (cache_seqlens from an int, aranges), built once
+_CONSTANTS: dict = {}
+_MAX_CONSTANTS = 1024
+
+
+def _constant(key: tuple, device: torch.device, make):
+    """``make()`` cached under (key, device). Nothing is cached or reused while the current CUDA
+    stream is being captured: a tensor filled during a capture holds its values only once the graph
+    is replayed, and a cached tensor a graph reads must never be evicted, so a capture builds its
+    own (one small recorded kernel)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return make()
+    full_key = key + (device,)
+    t = _CONSTANTS.get(full_key)
+    if t is None:
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[full_key] = make()
+    return t
+
+
+def _filled(value: int, batch: int, device: torch.device) -> torch.Tensor:
+    return _constant(("full", value, batch), device,
+                     lambda: torch.full((batch,), value, dtype=torch.int32, device=device))
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """int64 0..n-1 (int64: gather's index type; int32 + int64 gives int64)."""
+    return _constant(("arange", n), device, lambda: torch.arange(n, dtype=torch.int64, device=device))
+
+
+# ---------------------------------------------------------------------------- validation
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_same(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
+    if t.dtype != q.dtype:
+        raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+
+
+def _check_int32(name: str, t, shape: tuple, device: torch.device, what: str = "") -> None:
+    """An int32 index tensor of ``shape`` on ``device``, contiguous in its last dim (1-D: contiguous)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{what}, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+def check_kvcache_args(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                       cache_batch_idx=None, cache_leftpad=None, block_table=None, rotary_interleaved=True,
+                       num_splits=0) -> KVCachePlan:
+    """Validate a ``flash_attn_with_kvcache`` call (FlashAttention-2's rules) and return its plan.
+
+    q (batch, seqlen_q, heads, d) fp16/bf16; k_cache/v_cache (batch_cache, seqlen_cache, heads_kv, d),
+    or with block_table (num_pages, page_size, heads_kv, d) and block_table (batch, max_pages) int32;
+    k/v (batch, seqlen_new, heads_kv, d) or None; rotary_cos/sin (seqlen_ro, rotary_dim / 2) or None;
+    cache_seqlens None (the full cache), an int or (batch,) int32; cache_batch_idx/cache_leftpad
+    (batch,) int32 or None. No value is read from the device (see the module's docstring).
+    """
+    # q and the caches
+    _check_kind("q", q)
+    batch, seqlen_q, heads, head_dim = q.shape
+    if head_dim > MAX_HEAD_DIM or head_dim % 8 or head_dim == 0:
+        raise ValueError(f"q's head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_kind(name, t)
+        _check_same(name, t, q)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    rows, slots, heads_kv, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"k_cache/v_cache head_dim {cache_dim} does not match q's head_dim {head_dim}")
+    if heads_kv == 0 or heads % heads_kv:
+        raise ValueError(f"q heads ({heads}) must be a multiple of k_cache/v_cache heads ({heads_kv})")
+
+    # dense or paged
+    paged = block_table is not None
+    if paged:
+        if isinstance(block_table, torch.Tensor) and block_table.dim() != 2:
+            raise ValueError(f"block_table must have 2 dims (batch, max_pages), got shape {tuple(block_table.shape)}")
+        max_pages = block_table.shape[1] if isinstance(block_table, torch.Tensor) else 0
+        _check_int32("block_table", block_table, (batch, max_pages), q.device, " or None")
+        if slots == 0 or slots % PAGE_MULTIPLE:
+            raise ValueError(f"a paged cache's page size (k_cache.shape[1]) must be a positive multiple of "
+                             f"{PAGE_MULTIPLE}, got {slots}")
+        for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if t is not None:
+                raise ValueError(f"{name} is not supported with a paged cache (block_table given), as in "
+                                 f"FlashAttention-2: pass {name}=None")
+        page_size, cache_len = slots, max_pages * slots
+    else:
+        if cache_batch_idx is None and rows < batch:
+            raise ValueError(f"k_cache/v_cache batch ({rows}) must be at least q's batch ({batch}) without "
+                             f"cache_batch_idx")
+        page_size, cache_len = 0, slots
+
+    # new keys and values
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v must both be given or both be None, got k {'None' if k is None else 'given'} "
+                         f"and v {'None' if v is None else 'given'}")
+    seqlen_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _check_kind(name, t)
+            _check_same(name, t, q)
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        seqlen_new = k.shape[1]
+        expected = (batch, seqlen_new, heads_kv, head_dim)
+        if tuple(k.shape) != expected:
+            raise ValueError(f"k/v must have shape (batch, seqlen_new, heads_kv, head_dim) = {expected}, "
+                             f"got {tuple(k.shape)}")
+        if seqlen_new > cache_len:
+            raise ValueError(f"k/v's seqlen_new ({seqlen_new}) must be at most the cache length ({cache_len})")
+        if cache_seqlens is None:
+            raise ValueError("k/v given requires cache_seqlens (the rows to append at), as in FlashAttention-2, "
+                             "got cache_seqlens=None")
+
+    # rotary
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must both be given or both be None, got only "
+                         f"{'rotary_cos' if rotary_sin is None else 'rotary_sin'}")
+    rotary_dim = 0
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos/rotary_sin require new k and v to append (FlashAttention-2's rule), "
+                             "got k=None")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+            _check_same(name, t, q)
+            if t.dim() != 2:
+                raise ValueError(f"{name} must have 2 dims (seqlen_ro, rotary_dim / 2), got shape {tuple(t.shape)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+        if rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} "
+                             f"and {tuple(rotary_sin.shape)}")
+        seqlen_ro, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+        if rotary_dim % 16 or rotary_dim > head_dim:
+            raise ValueError(f"rotary_cos's rotary_dim (2 * shape[1] = {rotary_dim}) must be a multiple of 16 and "
+                             f"at most head_dim ({head_dim})")
+        if seqlen_ro < cache_len:
+            raise ValueError(f"rotary_cos/rotary_sin must have at least the cache length ({cache_len}) rows, "
+                             f"got {seqlen_ro}")
+
+    # the int32 tensors
+    if cache_seqlens is None:
+        max_seqlen_k = cache_len
+    elif _is_int(cache_seqlens):
+        if cache_seqlens < 0 or cache_seqlens + seqlen_new > cache_len:
+            extra = f" - seqlen_new ({seqlen_new})" if seqlen_new else ""
+            raise ValueError(f"cache_seqlens must be in [0, cache length ({cache_len}){extra}], got {cache_seqlens}")
+        max_seqlen_k = cache_seqlens + seqlen_new
+    elif isinstance(cache_seqlens, torch.Tensor):
+        _check_int32("cache_seqlens", cache_seqlens, (batch,), q.device, ", an int or None")
+        max_seqlen_k = cache_len
+    else:
+        raise TypeError(f"cache_seqlens must be a torch.Tensor, an int or None, got {type(cache_seqlens).__name__}")
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is not None:
+            _check_int32(name, t, (batch,), q.device, " or None")
+    if not _is_int(num_splits):
+        raise TypeError(f"num_splits must be an int (0: heuristic), got {type(num_splits).__name__}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: heuristic), got {num_splits}")
+
+    # layouts, then the device
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is not None:
+            _check_layout(name, t)
+    _check_cuda("q", q)
+
+    if not isinstance(cache_seqlens, torch.Tensor):
+        value = cache_len if cache_seqlens is None else int(cache_seqlens)
+        cache_seqlens = _filled(value, batch, q.device)
+    return KVCachePlan(
+        batch=batch, seqlen_q=seqlen_q, heads=heads, heads_kv=heads_kv, head_dim=head_dim, seqlen_new=seqlen_new,
+        paged=paged, page_size=page_size, cache_len=cache_len, rotary_dim=rotary_dim,
+        rotary_interleaved=rotary_interleaved, num_splits=num_splits, max_seqlen_k=max_seqlen_k,
+        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        block_table=block_table,
+    )
+
+
+# ---------------------------------------------------------------------------- rotary and append
+# Host cost: each torch op here costs about 5-20 us of Python and dispatcher time, more than its
+# kernel on a decode step, so the functions below are written for few ops (counted in the tests).
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+             interleaved: bool) -> torch.Tensor:
+    """The first rotary_dim columns of x (batch, seqlen, heads, d) rotated, fp32, contiguous
+    (batch, seqlen, heads, rotary_dim). 6 ops: 2 gathers, a cast, a mul, 2 addcmul_."""
+    half = cos.shape[1]
+    rd = 2 * half
+    c = cos[positions].unsqueeze(2)  # (batch, seqlen or 1, 1, half), in cos's dtype
+    s = sin[positions].unsqueeze(2)
+    xr = x[..., :rd].float()  # a new fp32 tensor (x is not read after this)
+    if interleaved:  # pairs (2j, 2j + 1)
+        pairs, c2 = xr.unflatten(-1, (half, 2)), c.unsqueeze(-1)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        out = pairs * c2
+        o1, o2 = out[..., 0], out[..., 1]
+    else:  # GPT-NeoX: pairs (j, j + half)
+        pairs, c2 = xr.unflatten(-1, (2, half)), c.unsqueeze(-2)
+        x1, x2 = pairs[..., 0, :], pairs[..., 1, :]
+        out = pairs * c2
+        o1, o2 = out[..., 0, :], out[..., 1, :]
+    o1.addcmul_(x2, s, value=-1)  # x1 cos - x2 sin (fp32: the bf16/fp16 factors promote)
+    o2.addcmul_(x1, s)  # x2 cos + x1 sin
+    return out.flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """x (batch, seqlen, heads, d) rotated: token (b, i) by the angles of row positions[b, i] of
+    cos/sin (seqlen_ro, rotary_dim / 2). positions: int tensor on x's device, (batch, seqlen) or
+    (batch, 1) (every token at one position). interleaved: pairs (0, 1), (2, 3)...; else GPT-NeoX
+    pairs (j, j + rotary_dim / 2). Columns >= rotary_dim are copied unchanged. fp32 math, result in
+    x's dtype, a new tensor. No host sync (an out-of-range position is a device-side error)."""
+    rd = 2 * cos.shape[1]
+    out = _rotated(x, cos, sin, positions, interleaved)
+    if rd == x.shape[-1]:
+        return out.to(x.dtype)
+    result = x.clone()
+    result[..., :rd].copy_(out)
+    return result
+
+
+def _positions(cache_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+    """(batch, n) int64: cache_seqlens[b] + i."""
+    return cache_seqlens.unsqueeze(1) + _arange(n, cache_seqlens.device)
+
+
+def _flat_rows(plan: KVCachePlan, seqlens: torch.Tensor, pos: torch.Tensor | None, batch_idx, table) -> torch.Tensor:
+    """(batch, seqlen_new) int64: the rows that token i of sequence b goes to in the cache seen as
+    (rows * slots, heads_kv, d). pos: the positions cache_seqlens[b] + i if already built."""
+    n, device = plan.seqlen_new, seqlens.device
+    if plan.paged:  # page block_table[b, pos // page_size], row pos % page_size
+        ps = plan.page_size
+        pos = _positions(seqlens, n) if pos is None else pos
+        page_of = torch.div(pos, ps, rounding_mode="floor")
+        page = table.gather(1, page_of)
+        return torch.add(pos, page - page_of, alpha=ps)  # page * ps + pos - page_of * ps
+    slots = plan.cache_len
+    if batch_idx is not None:
+        pos = _positions(seqlens, n) if pos is None else pos
+        return torch.add(pos, batch_idx.unsqueeze(1), alpha=slots)
+    if pos is not None:
+        return torch.add(pos, _row_starts(plan.batch, slots, device).unsqueeze(1))
+    offsets = _constant(("rows", plan.batch, n, slots), device,
+                        lambda: _row_starts(plan.batch, slots, device).unsqueeze(1) + _arange(n, device))
+    return seqlens.unsqueeze(1) + offsets
+
+
+def _row_starts(batch: int, slots: int, device: torch.device) -> torch.Tensor:
+    return _constant(("row_starts", batch, slots), device,
+                     lambda: torch.arange(0, batch * slots, slots, dtype=torch.int64, device=device))
+
+
+def _write(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
+    """cache (R, slots, heads_kv, d) in place: cache row r // slots, slot r % slots = new's token
+    for each r of rows (batch, n); new (batch, n, heads_kv, d)."""
+    r, slots = cache.shape[0], cache.shape[1]
+    if r <= 1 or cache.stride(0) == slots * cache.stride(1):  # (R * slots) rows: a view
+        cache.flatten(0, 1).index_copy_(0, rows.flatten(), new.flatten(0, 1))
+    else:  # a cache whose rows are not evenly spaced (a slice of a larger one, say)
+        cache.index_put_((torch.div(rows, slots, rounding_mode="floor"), rows % slots), new)
+
+
+def append_kv(plan: KVCachePlan, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              rotary_cos=None, rotary_sin=None, cache_seqlens: torch.Tensor | None = None, cache_batch_idx=None,
+              block_table=None, rotary_interleaved: bool = True, q: torch.Tensor | None = None,
+              causal_or_local: bool = False):
+    """Write k (rotated at positions cache_seqlens[b] + i when plan.rotary_dim) and v into the caches
+    in place at rows cache_seqlens[b] + i: dense, batch row cache_batch_idx[b] (b without it); paged,
+    page block_table[b, pos // page_size], row pos % page_size. Arguments as ``check_kvcache_args``
+    accepted them; cache_seqlens/cache_batch_idx/block_table default to the plan's. Device ops only
+    (no host sync, fixed shapes): CUDA-graph capturable.
+
+    With ``q``, returns q rotated as ``rotate_q(plan, q, ..., causal_or_local)`` would (q itself
+    without rotary), the two rotations done in one pass (7 ops fewer than two calls); else None."""
+    if plan.seqlen_new == 0:
+        return None if q is None else rotate_q(plan, q, rotary_cos, rotary_sin, cache_seqlens, causal_or_local,
+                                                rotary_interleaved)
+    seqlens = plan.cache_seqlens if cache_seqlens is None else cache_seqlens
+    batch_idx = plan.cache_batch_idx if cache_batch_idx is None else cache_batch_idx
+    table = plan.block_table if block_table is None else block_table
+    pos = None
+    if plan.rotary_dim and q is not None:
+        q, k = _rotate_q_and_k(plan, q, k, rotary_cos, rotary_sin, seqlens, causal_or_local, rotary_interleaved)
+    elif plan.rotary_dim:
+        pos = _positions(seqlens, plan.seqlen_new)
+        k = apply_rotary(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
+    rows = _flat_rows(plan, seqlens, pos, batch_idx, table)
+    _write(k_cache, rows, k)
+    _write(v_cache, rows, v)
+    return q
+
+
+def _rotate_q_and_k(plan: KVCachePlan, q, k, cos, sin, seqlens, causal_or_local: bool, interleaved: bool):
+    """(q rotated, k rotated) from one buffer: per sequence, q's tokens x heads then k's, rotated in
+    place at cache_seqlens[b] + the token's offset (q: i when causal_or_local, else 0; k: i)."""
+    batch, nq, heads, d = q.shape
+    nk, heads_kv = k.shape[1], k.shape[2]
+    mq = nq * heads
+    buf = torch.cat((q.reshape(batch, mq, d), k.reshape(batch, nk * heads_kv, d)), dim=1)
+    device = buf.device
+
+    def offsets():
+        q_off = torch.arange(nq, dtype=torch.int64, device=device) if causal_or_local else \
+            torch.zeros(nq, dtype=torch.int64, device=device)
+        k_off = torch.arange(nk, dtype=torch.int64, device=device)
+        return torch.cat((q_off.repeat_interleave(heads), k_off.repeat_interleave(heads_kv)))
+
+    positions = seqlens.unsqueeze(1) + _constant(("qk", nq, heads, nk, heads_kv, causal_or_local), device, offsets)
+    x = buf.unsqueeze(2)  # (batch, mq + nk * heads_kv, 1, d): one token per row
+    x[..., :2 * cos.shape[1]].copy_(_rotated(x, cos, sin, positions, interleaved))
+    return buf[:, :mq].view(batch, nq, heads, d), buf[:, mq:].view(batch, nk, heads_kv, d)
+
+
+def rotate_q(plan: KVCachePlan, q: torch.Tensor, rotary_cos, rotary_sin, cache_seqlens: torch.Tensor | None = None,
+             causal_or_local: bool = False, interleaved: bool = True) -> torch.Tensor:
+    """q rotated as FlashAttention-2 does in a call that appends with rotary: token i of sequence b
+    at position cache_seqlens[b] + i when causal or local (a window), else every token at
+    cache_seqlens[b]. q itself when plan.rotary_dim is 0. (``append_kv(..., q=q)`` does both.)"""
+    if not plan.rotary_dim:
+        return q
+    seqlens = plan.cache_seqlens if cache_seqlens is None else cache_seqlens
+    positions = _positions(seqlens, q.shape[1]) if causal_or_local else seqlens.unsqueeze(1)
+    return apply_rotary(q, rotary_cos, rotary_sin, positions, interleaved)

@@ -1,0 +1,92 @@
+"""CPU checks of the decode path's host logic and block walks: packed-GQA block ranges against
+every visible (query, key) pair, split-KV clipping against the whole walk, the split heuristic,
+and the decode traits' page-size rule."""
+
+import pytest
+
+from cute_attn import interface
+from cute_attn.kernels import block_info
+from cute_attn.reference import visible_keys  # noqa: F401  (the reference's visibility rule)
+from cute_attn.traits import HEAD_DIMS, sm80_decode_traits
+
+
+def _visible(i, j, seqlen_q, seqlen_k, causal, left, right):
+    d = i + seqlen_k - seqlen_q
+    if causal:
+        right = 0
+    return j < seqlen_k and (left is None or j >= d - left) and (right is None or j <= d + right)
+
+
+def _walk_blocks(walk):
+    """{block: masked} of a forward_walk tuple, in visiting order."""
+    n_max, n_right, n_unmasked, n_left = walk
+    order = list(range(n_max - 1, n_max - 1 - (n_right + n_unmasked + n_left), -1))
+    masked = [True] * n_right + [False] * n_unmasked + [True] * n_left
+    return dict(zip(order, masked))
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("causal,left,right", [(False, None, None), (True, None, None), (False, 5, 0),
+                                               (False, 40, 7), (True, 130, None)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 300), (4, 1000), (17, 129), (33, 33)])
+def test_packed_gqa_walk_covers_visible_keys(group, causal, left, right, seqlen_q, seqlen_k):
+    """Tile row p of a packed Q block is query p // group: the walk must visit every block a row
+    sees, and blocks it runs unmasked must be fully visible to every (valid) row."""
+    tile_m, tile_n = 64, 32
+    rows_total = seqlen_q * group
+    for m in range(-(-rows_total // tile_m)):
+        walk = block_info.forward_walk(m, tile_m, tile_n, seqlen_q, seqlen_k, causal, left, right,
+                                       qhead_per_kvhead=group)
+        blocks = _walk_blocks(walk)
+        queries = {p // group for p in range(m * tile_m, min((m + 1) * tile_m, rows_total))}
+        for n in range(-(-seqlen_k // tile_n)):
+            keys = range(n * tile_n, min((n + 1) * tile_n, seqlen_k))
+            seen = [_visible(i, j, seqlen_q, seqlen_k, causal, left, right) for i in queries for j in keys]
+            if any(seen):
+                assert n in blocks, (m, n)
+            if n in blocks and not blocks[n]:
+                assert all(seen) and len(keys) == tile_n, (m, n)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 40])
+@pytest.mark.parametrize("causal,left,right", [(False, None, None), (True, None, None), (False, 100, 3)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (1, 1000), (4, 4097), (200, 300)])
+def test_split_walks_partition_the_walk(num_splits, causal, left, right, seqlen_q, seqlen_k):
+    """The splits' clipped walks visit each block of the whole walk exactly once, masked exactly
+    when the whole walk masks it."""
+    tile_m, tile_n = 64, 64
+    per_split = block_info.split_blocks(seqlen_k, tile_n, num_splits)
+    for m in range(-(-seqlen_q // tile_m)):
+        walk = block_info.forward_walk(m, tile_m, tile_n, seqlen_q, seqlen_k, causal, left, right)
+        whole = _walk_blocks(walk)
+        union = {}
+        for s in range(num_splits):
+            clipped = block_info.clip_walk(walk, s * per_split, (s + 1) * per_split)
+            # an empty split still ends inside the walk (the kernel's prologue loads below its end)
+            assert walk[0] - sum(walk[1:]) <= clipped[0] <= walk[0]
+            part = _walk_blocks(clipped)
+            assert all(s * per_split <= n < (s + 1) * per_split for n in part), (s, part)
+            assert not set(part) & set(union)
+            union.update(part)
+        assert union == whole
+
+
+def test_decode_num_splits():
+    # a full grid or a short key range: no split
+    assert interface.decode_num_splits(ctas=132, n_blocks=1000, slots=132) == 1
+    assert interface.decode_num_splits(ctas=8, n_blocks=4, slots=132) == 1
+    # one CTA per (batch, K/V head) on a long cache: enough splits to fill the slots, capped
+    s = interface.decode_num_splits(ctas=8, n_blocks=2048, slots=132)
+    assert 8 * s >= 0.9 * 132 and s <= 128
+    # never more splits than blocks / 4
+    assert interface.decode_num_splits(ctas=1, n_blocks=40, slots=132) <= 10
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS + (72,))
+@pytest.mark.parametrize("page_size", [0, 16, 48, 64, 256])
+def test_decode_traits_fit_pages(head_dim, page_size):
+    for t in sm80_decode_traits(head_dim, 227 * 1024, page_size):
+        assert t.tile_m == 16 * t.num_warps
+        if page_size:
+            assert page_size % t.tile_n == 0
+        assert t.smem_bytes() <= 113 * 1024  # two CTAs per SM on H100 (interface._DECODE_CTAS_PER_SM)
