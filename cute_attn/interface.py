@@ -412,7 +412,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens[b]; ``rotary_interleaved`` pairs columns (0, 1), (2, 3)... or GPT-NeoX's (j, j +
     rotary_dim / 2)). causal / window_size / softcap / alibi_slopes as ``forward``, over each
     sequence's keys (bottom-right aligned). num_splits: split-KV pieces (0: chosen by
-    ``decode_num_splits``, 1: none). Returns out (like q) and, with return_softmax_lse, lse (batch,
+    ``decode_num_splits``, 1: none; at most 128 and the number of K/V blocks). Page sizes: any
+    multiple of 16 keys. Returns out (like q) and, with return_softmax_lse, lse (batch,
     heads, seqlen_q) fp32. No host synchronisation: a decode step can be captured in a CUDA graph
     and replayed with new cache_seqlens values; new lengths never compile.
     """
