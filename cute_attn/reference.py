@@ -177,18 +177,20 @@ def attention_block_backward_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     softcap: float = 0.0,
+    window_size: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernels' contract: (dq, dk, dv) from given out and lse, which may come from a
     larger attention (all keys of a ring, say): P = exp(S * scale - lse), D = rowsum(dO * out),
-    dS = P * (dP - D) (with ``softcap``: the capped scores, dS through the tanh). For the out and lse of these q, k, v alone it is the plain backward; for a
-    slice of the keys it gives that slice's exact share. In q's dtype, computed in float64."""
+    dS = P * (dP - D) (with ``softcap``: the capped scores, dS through the tanh; pairs outside
+    ``window_size`` masked). For the out and lse of these q, k, v alone it is the plain backward;
+    for a slice of the keys it gives that slice's exact share. In q's dtype, computed in float64."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     group = heads // heads_kv
     qd, dod, od = q.double(), dout.double(), out.double()
     kd, vd = (t.double().repeat_interleave(group, dim=2) for t in (k, v))
-    scores, tanh = _scores(qd, kd, scale, seqlen_q, seqlen_k, causal, (-1, -1), softcap, None)
+    scores, tanh = _scores(qd, kd, scale, seqlen_q, seqlen_k, causal, tuple(window_size), softcap, None)
     lse_d = lse.double().masked_fill(torch.isinf(lse), math.inf)[..., None]  # +inf rows: P = 0
     probs = torch.exp(scores - lse_d).nan_to_num(0.0)
     dq, dk, dv = _flash_gradients(probs, od, qd, kd, vd, dod, scale, heads_kv, tanh)

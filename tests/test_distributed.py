@@ -13,12 +13,13 @@ from cute_attn import distributed as cp
 from cute_attn.reference import attention_block_backward_reference, attention_reference
 
 
-def _reference_forward(q, k, v, causal, scale, softcap):
-    return attention_reference(q, k, v, causal, scale, compute_dtype=torch.float64, softcap=softcap)
+def _reference_forward(q, k, v, causal, scale, softcap, window_size=(-1, -1)):
+    return attention_reference(q, k, v, causal, scale, compute_dtype=torch.float64, softcap=softcap,
+                               window_size=tuple(window_size))
 
 
-def _reference_backward(dout, q, k, v, out, lse, causal, scale, deterministic, softcap):
-    return attention_block_backward_reference(dout, q, k, v, out, lse, causal, scale, softcap)
+def _reference_backward(dout, q, k, v, out, lse, causal, scale, deterministic, softcap, window_size=(-1, -1)):
+    return attention_block_backward_reference(dout, q, k, v, out, lse, causal, scale, softcap, tuple(window_size))
 
 
 def _free_port() -> int:
@@ -32,21 +33,24 @@ def _worker(rank, world, port, cases):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cp._local_forward, cp._local_backward = _reference_forward, _reference_backward
     try:
-        for layout, causal, heads, heads_kv, softcap in cases:
+        for layout, causal, heads, heads_kv, softcap, *window in cases:
+            window_size = tuple(window[0]) if window else (-1, -1)
             torch.manual_seed(0)  # every rank builds the same full tensors
             seqlen = 12 * world
             q = torch.randn(2, seqlen, heads, 16, dtype=torch.float64, requires_grad=True)
             k = torch.randn(2, seqlen, heads_kv, 16, dtype=torch.float64, requires_grad=True)
             v = torch.randn(2, seqlen, heads_kv, 16, dtype=torch.float64, requires_grad=True)
             dout = torch.randn(2, seqlen, heads, 16, dtype=torch.float64)
-            ref_out, ref_lse = attention_reference(q, k, v, causal, 0.3, compute_dtype=torch.float64, softcap=softcap)
+            ref_out, ref_lse = attention_reference(q, k, v, causal, 0.3, compute_dtype=torch.float64, softcap=softcap,
+                                                   window_size=window_size)
             ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
 
             shards = [cp.shard_sequence(t.detach(), layout=layout).requires_grad_() for t in (q, k, v)]
             out, lse = cp.ring_flash_attn_func(*shards, causal=causal, softmax_scale=0.3, layout=layout,
-                                               softcap=softcap, return_lse=True)
+                                               softcap=softcap, window_size=window_size, return_lse=True)
             grads = torch.autograd.grad(out, shards, cp.shard_sequence(dout, layout=layout))
-            case = f"world={world} {layout} causal={causal} heads={heads}/{heads_kv} softcap={softcap}"
+            case = (f"world={world} {layout} causal={causal} heads={heads}/{heads_kv} softcap={softcap} "
+                    f"window={window_size}")
             torch.testing.assert_close(cp.gather_sequence(out, layout=layout), ref_out, msg=case)
             torch.testing.assert_close(cp.gather_sequence(lse, layout=layout, dim=2), ref_lse, msg=case)
             for name, got, want in zip("qkv", grads, ref_grads):
@@ -64,6 +68,44 @@ def test_ring_equals_single_process_attention(world):
     mp.spawn(_worker, args=(world, _free_port(), cases), nprocs=world, join=True)
 
 
+# windows narrower than a zigzag piece (6 rows at world 2), about one slice, wider than the
+# sequence, one-sided either way, and causal with a left window (Mistral's); the sequence is 12 x world
+RING_WINDOWS = [(False, (3, 2)), (True, (5, -1)), (False, (13, 0)), (False, (-1, 4)), (False, (0, 0)),
+                (True, (40, 0)), (False, (7, 30))]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_with_sliding_window(world):
+    """A window over the whole sequence: each step attends the piece pairs the window reaches,
+    each as a local call with its own (never negative) window, and the result equals
+    single-process windowed attention, forward and backward, both layouts."""
+    cases = [(layout, causal, 4, 2, 0.0, window) for layout in cp.LAYOUTS for causal, window in RING_WINDOWS]
+    cases += [("zigzag", True, 4, 2, 1.0, (5, 0))]
+    mp.spawn(_worker, args=(world, _free_port(), cases), nprocs=world, join=True)
+
+
+def test_band_windows_are_exact():
+    """_band against every (query, key) pair: the sub-block holds exactly the visible pairs of the
+    two pieces, its window is FlashAttention-valid (>= 0 or -1) and reproduces them."""
+    from cute_attn.reference import visible_keys
+
+    for left in (None, 0, 3, 17):
+        for right in (None, 0, 2, 40):
+            for q_start, q_len, k_start, k_len in [(0, 6, 0, 6), (6, 6, 0, 6), (0, 6, 30, 6), (18, 6, 6, 6),
+                                                   (12, 12, 0, 12), (3, 5, 9, 7)]:
+                want = {(i, j) for i in range(q_start, q_start + q_len) for j in range(k_start, k_start + k_len)
+                        if (left is None or j >= i - left) and (right is None or j <= i + right)}
+                band = cp._band(q_start, q_len, k_start, k_len, left, right)
+                if band is None:
+                    assert not want
+                    continue
+                (row, rows), (key, keys), window = band
+                assert all(w >= -1 for w in window)
+                seen = visible_keys(rows, keys, False, window)
+                got = {(q_start + row + i, k_start + key + j) for i in range(rows) for j in range(keys) if seen[i, j]}
+                assert got == want, (left, right, q_start, q_len, k_start, k_len, band)
+
+
 def test_layouts_round_trip_and_argument_checks():
     import tempfile
 
@@ -78,8 +120,10 @@ def test_layouts_round_trip_and_argument_checks():
         with pytest.raises(ValueError, match="layout must be one of"):
             cp.shard_sequence(x, layout="striped")
         q = torch.zeros(1, 8, 2, 16)
-        with pytest.raises(NotImplementedError, match="window_size is not supported"):
-            cp.ring_flash_attn_func(q, q, q, window_size=(4, 0))
+        with pytest.raises(ValueError, match="window_size entries must be >= -1"):
+            cp.ring_flash_attn_func(q, q, q, window_size=(4, -2))
+        with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+            cp.ring_flash_attn_func(q, q, q, window_size=4)
         with pytest.raises(ValueError, match="softcap must be a finite number"):
             cp.ring_flash_attn_func(q, q, q, softcap=-1.0)
         with pytest.raises(TypeError, match="causal must be a bool"):

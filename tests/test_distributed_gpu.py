@@ -30,26 +30,29 @@ def _worker(rank, world, port, seqlen):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
+    # (causal, window_size): plain, causal, and Mistral-style causal with a 1000-key left window
+    # (narrower than a rank's slice: steps then attend only the pieces the window reaches)
+    options = [(False, (-1, -1)), (True, (-1, -1)), (True, (1000, 0))]
     try:
         for head_dim in (64, 128):
-            for causal in (False, True):
+            for causal, window in options:
                 for layout in cp.LAYOUTS:
                     g = torch.Generator(device="cuda").manual_seed(head_dim + causal)  # same on every rank
                     q, k, v = (torch.randn(1, seqlen, h, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
                                for h in (8, 2, 2))
                     dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
                     shards = [cp.shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
-                    out = cp.ring_flash_attn_func(*shards, causal=causal, layout=layout)
+                    out = cp.ring_flash_attn_func(*shards, causal=causal, window_size=window, layout=layout)
                     grads = torch.autograd.grad(out, shards, cp.shard_sequence(dout, layout=layout))
                     ring = [cp.gather_sequence(t, layout=layout) for t in (out, *grads)]
 
                     full = [t.clone().requires_grad_() for t in (q, k, v)]
-                    single_out = cute_attn.flash_attn_func(*full, causal=causal)
+                    single_out = cute_attn.flash_attn_func(*full, causal=causal, window_size=window)
                     single = [single_out, *torch.autograd.grad(single_out, full, dout)]
                     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-                    ref_out, _ = attention_reference(*ref_in, causal, compute_dtype=torch.float32)
+                    ref_out, _ = attention_reference(*ref_in, causal, compute_dtype=torch.float32, window_size=window)
                     ref = [ref_out, *torch.autograd.grad(ref_out, ref_in, dout)]
-                    case = f"d{head_dim} causal={causal} {layout} S={seqlen}"
+                    case = f"d{head_dim} causal={causal} window={window} {layout} S={seqlen}"
                     for name, got, base, want in zip(("out", "dq", "dk", "dv"), ring, single, ref):
                         check_close(name, got, want, base, 1e-4, case)
     finally:
