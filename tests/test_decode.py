@@ -6,7 +6,6 @@ import pytest
 
 from cute_attn import interface
 from cute_attn.kernels import block_info
-from cute_attn.reference import visible_keys  # noqa: F401  (the reference's visibility rule)
 from cute_attn.traits import HEAD_DIMS, sm80_decode_traits
 
 
