@@ -24,6 +24,11 @@ query piece and a piece of the visiting slice, only the rows and keys in the win
 local call with that sub-block's own window (``_band``: bottom-right aligned and never negative,
 so the kernels see ordinary FlashAttention windows). K/V still travel the whole ring; steps whose
 pieces the window does not reach compute nothing.
+
+Packed variable-length batches (``ring_flash_attn_varlen_func``, ``shard_varlen``): every sequence
+is split over the ranks as one dense sequence is, so the steps are the same (``_halves_work``), run
+by the varlen kernels on all rows or on the first / second half of every sequence (row indices
+built on the device, ``_VarlenParts``).
 """
 
 from __future__ import annotations
@@ -68,13 +73,50 @@ def shard_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", dim: int
 def gather_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
     """The full tensor from every rank's slice (the inverse of ``shard_sequence``; all ranks get it)."""
     _check_layout(layout)
+    return _unshard(_all_slices(x, group), layout, dim)
+
+
+def _all_slices(x: torch.Tensor, group) -> list:
     world, _ = _world(group)
     slices = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(slices, x.contiguous(), group=group)
+    return slices
+
+
+def _unshard(slices: list, layout: str, dim: int) -> torch.Tensor:
+    """One sequence from every rank's slice of it, in rank order."""
     if layout == "contiguous":
         return torch.cat(slices, dim=dim)
     halves = [s.chunk(2, dim=dim) for s in slices]
     return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None, layout: str = "zigzag"):
+    """This rank's part of a packed variable-length tensor x (total, ...) whose sequences are rows
+    cu_seqlens[b]:cu_seqlens[b + 1]: each sequence split as ``shard_sequence`` splits one (its
+    length a multiple of world, 2 x world for zigzag). Returns (x's shard, the local cu_seqlens =
+    cu_seqlens / world, int32 on cu_seqlens' device). Reads cu_seqlens on the host (a sync)."""
+    _check_layout(layout)
+    world, _ = _world(group)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds, bounds[1:]):
+        _pieces(end - start, world, layout, "shard_varlen")
+    parts = [shard_sequence(x[start:end], group, layout, dim=0) for start, end in zip(bounds, bounds[1:])]
+    shard = torch.cat(parts, dim=0) if parts else x[:0]
+    return shard, (cu_seqlens // world).to(torch.int32)
+
+
+def gather_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, group=None, layout: str = "zigzag",
+                  dim: int = 0) -> torch.Tensor:
+    """The inverse of ``shard_varlen`` for a shard x (total / world along ``dim``), given the
+    global cu_seqlens; all ranks get the packed whole. Reads cu_seqlens on the host."""
+    _check_layout(layout)
+    world, _ = _world(group)
+    slices = _all_slices(x, group)
+    bounds = (cu_seqlens // world).tolist()
+    sequences = [_unshard([s.narrow(dim, start, end - start) for s in slices], layout, dim)
+                 for start, end in zip(bounds, bounds[1:])]
+    return torch.cat(sequences, dim=dim) if sequences else x.narrow(dim, 0, 0)
 
 
 # ---------------------------------------------------------------------------- local attention
@@ -108,25 +150,34 @@ def _step_work(step: int, rank: int, world: int, length: int, causal: bool, layo
     world. Without a window: at most one call (see the module docstring). With one: a call per
     pair of pieces (query piece, key piece) whose band of visible pairs is not empty
     (``_band``)."""
-    source = (rank - step) % world
     if window is not None:
         left, right = window
         work = []
         for q_local, q_global, q_len in _slice_pieces(rank, world, length, layout):
-            for k_local, k_global, k_len in _slice_pieces(source, world, length, layout):
+            for k_local, k_global, k_len in _slice_pieces((rank - step) % world, world, length, layout):
                 band = _band(q_global, q_len, k_global, k_len, left, right)
                 if band is not None:
                     (row, rows), (key, keys), band_window = band
                     work.append(((q_local + row, rows), (k_local + key, keys), False, band_window))
         return work
+    half = {"all": _WHOLE, "first": (0, length // 2), "second": (length // 2, length // 2)}
+    return [(half[rows], half[keys], step_causal, (-1, -1))
+            for rows, keys, step_causal in _halves_work(step, rank, world, causal, layout)]
+
+
+def _halves_work(step: int, rank: int, world: int, causal: bool, layout: str) -> list:
+    """The ring's work without a window: at most one call of (query part, K/V part, causal), each
+    part "all", or the "first" / "second" half of every sequence of the slice (the zigzag pieces;
+    see the module docstring). The same for dense and varlen slices."""
+    source = (rank - step) % world
     if not causal:
-        return [(_WHOLE, _WHOLE, False, (-1, -1))]
+        return [("all", "all", False)]
     if step == 0:
-        return [(_WHOLE, _WHOLE, True, (-1, -1))]
+        return [("all", "all", True)]
     if layout == "contiguous":
-        return [(_WHOLE, _WHOLE, False, (-1, -1))] if source < rank else []
-    half = length // 2  # zigzag: all queries on the first key piece, or the second query piece on all keys
-    return [(_WHOLE, (0, half), False, (-1, -1))] if source < rank else [((half, half), _WHOLE, False, (-1, -1))]
+        return [("all", "all", False)] if source < rank else []
+    # zigzag: all queries on the first key piece, or the second query piece on all keys
+    return [("all", "first", False)] if source < rank else [("second", "all", False)]
 
 
 def _slice_pieces(rank: int, world: int, length: int, layout: str) -> list:
@@ -188,16 +239,22 @@ class _Ring:
 
 
 def _merge(out, lse, part_out, part_lse, rows):
-    """out/lse (fp32 accumulators) <- the exact combination with a step's result on ``rows``.
-    cute_attn's LSE is +inf for a row that saw no key; such a row contributes nothing."""
-    part_lse = part_lse.masked_fill(torch.isinf(part_lse) & (part_lse > 0), -math.inf)
+    """out/lse (fp32 accumulators) <- the exact combination with a step's result on ``rows``."""
     acc_out, acc_lse = _part(out, rows), _part(lse, rows, dim=2)
+    new_out, new_lse = _combined(acc_out, acc_lse, part_out, part_lse, lse_to_out=lambda t: t.transpose(1, 2))
+    acc_out.copy_(new_out)
+    acc_lse.copy_(new_lse)
+
+
+def _combined(acc_out, acc_lse, part_out, part_lse, lse_to_out):
+    """(out, lse) of two partial results through their LSEs; ``lse_to_out`` views an LSE like out's
+    leading modes. cute_attn's LSE is +inf for a row that saw no key; such a row contributes nothing."""
+    part_lse = part_lse.masked_fill(torch.isinf(part_lse) & (part_lse > 0), -math.inf)
     new_lse = torch.logaddexp(acc_lse, part_lse)
     safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    old_weight = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
-    new_weight = torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1)
-    acc_out.copy_(acc_out * old_weight + part_out.to(acc_out.dtype) * new_weight)
-    acc_lse.copy_(new_lse)
+    old_weight = lse_to_out(torch.exp(acc_lse - safe)).unsqueeze(-1)
+    new_weight = lse_to_out(torch.exp(part_lse - safe)).unsqueeze(-1)
+    return acc_out * old_weight + part_out.to(acc_out.dtype) * new_weight, new_lse
 
 
 def _ring_forward(q, k, v, group, causal, scale, layout, softcap, window):
@@ -306,4 +363,166 @@ def ring_flash_attn_func(q, k, v, *, group=None, causal: bool = False, softmax_s
         raise ValueError(f"layout 'zigzag' needs an even slice length (two pieces), got {q.shape[1]}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     out, lse = _RingFlashAttn.apply(q, k, v, group, causal, scale, layout, deterministic, float(softcap), window)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------- varlen
+def _local_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                          scale: float, softcap: float):
+    """(out, lse) of one varlen step: cute_attn's varlen forward (the CPU tests put the reference here)."""
+    from cute_attn import interface
+
+    return interface.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                    softmax_scale=scale, softcap=softcap, return_lse=True)
+
+
+def _local_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                           causal: bool, scale: float, deterministic: bool, softcap: float):
+    """(dq, dk, dv) shares of one varlen step from the merged out and lse: cute_attn's varlen backward."""
+    from cute_attn import interface
+
+    return interface.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     causal=causal, softmax_scale=scale, softcap=softcap, deterministic=deterministic)
+
+
+class _VarlenParts:
+    """The rows of a packed slice that a step's part names: "all", or the "first" / "second" half
+    of every sequence (row indices built on the device: no host sync), with that part's cu_seqlens
+    and longest sequence."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, total: int, max_seqlen: int):
+        self.cu, self.total, self.max = cu_seqlens, total, max_seqlen
+        half_cu = cu_seqlens.to(torch.int64) // 2
+        t = torch.arange(total // 2, device=cu_seqlens.device)
+        sequence = torch.searchsorted(half_cu[1:], t, right=True)  # the sequence of each half-row
+        first = cu_seqlens.to(torch.int64)[sequence] + (t - half_cu[sequence])
+        self.index = {"first": first, "second": first + (half_cu[1:] - half_cu[:-1])[sequence]}
+        self.half_cu = half_cu.to(torch.int32)
+
+    def rows(self, t: torch.Tensor, part: str, dim: int = 0) -> torch.Tensor:
+        return t if part == "all" else t.index_select(dim, self.index[part])
+
+    def lengths(self, part: str):
+        """(cu_seqlens, max_seqlen) of the part."""
+        return (self.cu, self.max) if part == "all" else (self.half_cu, self.max // 2)
+
+    def add(self, acc: torch.Tensor, part: str, value: torch.Tensor) -> None:
+        if part == "all":
+            acc.add_(value)
+        else:
+            acc.index_add_(0, self.index[part], value.to(acc.dtype))
+
+
+def _ring_varlen_forward(q, k, v, cu_seqlens, max_seqlen, group, causal, scale, layout, softcap):
+    world, rank = _world(group)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=acc_dtype, device=q.device)
+    parts = _VarlenParts(cu_seqlens, q.shape[0], max_seqlen)
+    ring = _Ring(group)
+    kv = (k, v)
+    for step in range(world):
+        pending = ring.start(kv) if step + 1 < world else None
+        for rows, keys, step_causal in _halves_work(step, rank, world, causal, layout):
+            part_out, part_lse = _local_varlen_forward(
+                parts.rows(q, rows), parts.rows(kv[0], keys), parts.rows(kv[1], keys), parts.lengths(rows)[0],
+                parts.lengths(keys)[0], parts.lengths(rows)[1], parts.lengths(keys)[1], step_causal, scale, softcap)
+            acc_out, acc_lse = parts.rows(out, rows), parts.rows(lse, rows, dim=1)
+            new_out, new_lse = _combined(acc_out, acc_lse, part_out, part_lse.to(acc_dtype),
+                                         lse_to_out=lambda t: t.transpose(0, 1))
+            if rows == "all":
+                out, lse = new_out, new_lse
+            else:
+                out.index_copy_(0, parts.index[rows], new_out)
+                lse.index_copy_(1, parts.index[rows], new_lse)
+        if pending is not None:
+            kv = tuple(_Ring.finish(pending))
+    lse = lse.masked_fill(torch.isneginf(lse), math.inf)
+    return out.to(q.dtype), lse.to(acc_dtype)
+
+
+def _ring_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, group, causal, scale, layout,
+                          deterministic, softcap):
+    world, rank = _world(group)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    parts = _VarlenParts(cu_seqlens, q.shape[0], max_seqlen)
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    ring = _Ring(group)
+    k_here, v_here = k, v
+    dk_acc = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    dkv_pending = None
+    for step in range(world):  # as _ring_backward: dK/dV accumulators travel one hop behind K/V
+        kv_pending = ring.start((k_here, v_here)) if step + 1 < world else None
+        shares = []
+        for rows, keys, step_causal in _halves_work(step, rank, world, causal, layout):
+            (cu_q, max_q), (cu_k, max_k) = parts.lengths(rows), parts.lengths(keys)
+            dq_i, dk_i, dv_i = _local_varlen_backward(
+                parts.rows(dout, rows), parts.rows(q, rows), parts.rows(k_here, keys), parts.rows(v_here, keys),
+                parts.rows(out, rows), parts.rows(lse, rows, dim=1).contiguous(), cu_q, cu_k, max_q, max_k,
+                step_causal, scale, deterministic, softcap)
+            parts.add(dq, rows, dq_i)
+            shares.append((keys, dk_i, dv_i))
+        if dkv_pending is not None:
+            dk_acc, dv_acc = _Ring.finish(dkv_pending)
+        for keys, dk_i, dv_i in shares:
+            parts.add(dk_acc, keys, dk_i)
+            parts.add(dv_acc, keys, dv_i)
+        if world > 1:
+            dkv_pending = ring.start((dk_acc, dv_acc))
+        if kv_pending is not None:
+            k_here, v_here = _Ring.finish(kv_pending)
+    if dkv_pending is not None:
+        dk_acc, dv_acc = _Ring.finish(dkv_pending)
+    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+class _RingFlashAttnVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, group, causal, scale, layout, deterministic, softcap):
+        out, lse = _ring_varlen_forward(q, k, v, cu_seqlens, max_seqlen, group, causal, scale, layout, softcap)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.args = (max_seqlen, group, causal, scale, layout, deterministic, softcap)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        max_seqlen, group, causal, scale, layout, deterministic, softcap = ctx.args
+        dq, dk, dv = _ring_varlen_backward(dout.contiguous(), q, k, v, out, lse, cu_seqlens, max_seqlen, group, causal,
+                                           scale, layout, deterministic, softcap)
+        return (dq, dk, dv) + (None,) * 8
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen: int, *, group=None, causal: bool = False,
+                                softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
+                                layout: str = "zigzag", return_lse: bool = False):
+    """``ring_flash_attn_func`` for packed variable-length batches: q (total / world, heads, d) and
+    k, v (total / world, heads_kv, d) hold this rank's part of every sequence (``shard_varlen``),
+    cu_seqlens (batch + 1,) int32 the local offsets (the global ones / world, the same on every
+    rank) and max_seqlen the longest local sequence. Every sequence's length must be a multiple of
+    world (2 x world for zigzag). Returns this rank's out (and, with ``return_lse``, lse (heads,
+    total / world)), with autograd. ``causal`` and ``softcap`` as in ``flash_attn_varlen_func``, per
+    sequence; no sliding window here yet (its band differs per sequence)."""
+    _check_layout(layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise TypeError(f"{name} must be a 3-dim torch.Tensor (total / world, heads, head_dim)")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise TypeError("cu_seqlens must be a 1-dim int32 torch.Tensor (batch + 1,)")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"max_seqlen must be an int >= 0, got {max_seqlen!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be a finite number >= 0 (0.0: off), got {softcap!r}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must hold parts of the same sequences (equal totals), got {q.shape[0]} and "
+                         f"{k.shape[0]}")
+    if layout == "zigzag" and (q.shape[0] % 2 or max_seqlen % 2):
+        raise ValueError("layout 'zigzag' needs every local sequence of even length (two pieces)")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    out, lse = _RingFlashAttnVarlen.apply(q, k, v, cu_seqlens, max_seqlen, group, causal, scale, layout,
+                                          deterministic, float(softcap))
     return (out, lse) if return_lse else out

@@ -106,6 +106,71 @@ def test_band_windows_are_exact():
                 assert got == want, (left, right, q_start, q_len, k_start, k_len, band)
 
 
+def _varlen_reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, softcap):
+    out = torch.zeros(q.shape, dtype=q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float64)
+    for b in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = (int(cu_q[b]), int(cu_q[b + 1])), (int(cu_k[b]), int(cu_k[b + 1]))
+        if q1 > q0:
+            o, l = _reference_forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, scale, softcap)
+            out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+    return out, lse
+
+
+def _varlen_reference_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, deterministic,
+                               softcap):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b in range(len(cu_q) - 1):
+        (q0, q1), (k0, k1) = (int(cu_q[b]), int(cu_q[b + 1])), (int(cu_k[b]), int(cu_k[b + 1]))
+        if q1 > q0 and k1 > k0:
+            grads = attention_block_backward_reference(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1],
+                                                       v[None, k0:k1], out[None, q0:q1], lse[None, :, q0:q1],
+                                                       causal, scale, softcap)
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = (g[0] for g in grads)
+    return dq, dk, dv
+
+
+def _varlen_worker(rank, world, port, cases):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cp._local_varlen_forward, cp._local_varlen_backward = _varlen_reference_forward, _varlen_reference_backward
+    try:
+        for layout, causal, heads, heads_kv, softcap in cases:
+            torch.manual_seed(0)
+            lengths = [2 * world * n for n in (3, 0, 1, 5)]  # an empty sequence among them
+            cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+            total = int(cu[-1])
+            q = torch.randn(total, heads, 16, dtype=torch.float64, requires_grad=True)
+            k = torch.randn(total, heads_kv, 16, dtype=torch.float64, requires_grad=True)
+            v = torch.randn(total, heads_kv, 16, dtype=torch.float64, requires_grad=True)
+            dout = torch.randn(total, heads, 16, dtype=torch.float64)
+            ref_out, ref_lse = _varlen_reference_forward(q, k, v, cu, cu, None, None, causal, 0.3, softcap)
+            ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+
+            shards = [cp.shard_varlen(t.detach(), cu, layout=layout)[0].requires_grad_() for t in (q, k, v)]
+            local_cu = cp.shard_varlen(q.detach(), cu, layout=layout)[1]
+            max_local = max(lengths) // world
+            out, lse = cp.ring_flash_attn_varlen_func(*shards, local_cu, max_local, causal=causal, softmax_scale=0.3,
+                                                      layout=layout, softcap=softcap, return_lse=True)
+            grads = torch.autograd.grad(out, shards, cp.shard_varlen(dout, cu, layout=layout)[0])
+            case = f"varlen world={world} {layout} causal={causal} heads={heads}/{heads_kv} softcap={softcap}"
+            torch.testing.assert_close(cp.gather_varlen(out, cu, layout=layout), ref_out, msg=case)
+            torch.testing.assert_close(cp.gather_varlen(lse, cu, layout=layout, dim=1), ref_lse, msg=case)
+            for name, got, want in zip("qkv", grads, ref_grads):
+                torch.testing.assert_close(cp.gather_varlen(got, cu, layout=layout), want, msg=f"d{name} {case}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_varlen_ring_equals_single_process_attention(world):
+    """Packed sequences, each split over the ranks (an empty one among them): the varlen ring
+    equals attention per sequence, forward and backward, both layouts, causal and not, GQA, softcap."""
+    cases = [(layout, causal, 4, 2, 0.0) for layout in cp.LAYOUTS for causal in (False, True)]
+    cases += [("zigzag", True, 2, 2, 1.0)]
+    mp.spawn(_varlen_worker, args=(world, _free_port(), cases), nprocs=world, join=True)
+
+
 def test_layouts_round_trip_and_argument_checks():
     import tempfile
 
