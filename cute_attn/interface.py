@@ -380,7 +380,7 @@ def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, m
         # sections of heads (kernels/tile_scheduler.py)
         section = 1
         if opts.causal and not compile_mod.forward_cache.chosen(key).persistent:
-            from cute_attn.kernels.tile_scheduler import heads_per_section
+            from cute_attn.traits import heads_per_section
 
             section = heads_per_section(max_seqlen_k, key.head_dim, q.element_size())
         extra = (plan.num_sms, section)
@@ -681,8 +681,8 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
     and ``batch`` sequences): a function of (dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q,
     cu_seqlens_k, alibi_slopes)."""
-    from cute_attn.kernels.seqlen_info import varlen_padded_rows
-    from cute_attn.kernels.sm80.backward import ROW_PAD
+    from cute_attn.traits import BACKWARD_ROW_PAD as ROW_PAD
+    from cute_attn.traits import varlen_padded_rows
 
     plan = dispatch.plan_for_device(q.device)
     pre, main = compile_mod.backward_keys(plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], opts.causal, deterministic,

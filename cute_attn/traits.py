@@ -394,3 +394,29 @@ def sm90_backward_traits(head_dim: int, causal: bool = False,
     """The SM90 backward candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80)."""
     t = SM90_BACKWARD.get(padded_head_dim(head_dim), {}).get(bool(causal))
     return tuple(c for c in (t,) if c is not None and (not smem_capacity or c.smem_bytes() <= smem_capacity))
+
+
+# ---------------------------------------------------------------------------- host-side sizes the kernels share
+# Kept here, free of the DSL, so that a call whose kernels come from the disk cache imports no DSL
+# (compile.KernelCache loads them through TVM-FFI alone).
+
+# The backward's fp32 row buffers (LSE in log2, D, the dQ accumulator) are padded to whole blocks of
+# this many rows; every backward tile_m and the preprocess divide it.
+BACKWARD_ROW_PAD = 128
+# varlen: each sequence's rows in those buffers start at a multiple of this (kernels/seqlen_info.py)
+VARLEN_ROW_PAD = 128
+
+
+def varlen_padded_rows(total_q: int, batch: int) -> int:
+    """Rows of the backward's varlen row buffers (host side): total_q + batch * PAD, rounded up to PAD."""
+    return -(-(total_q + batch * VARLEN_ROW_PAD) // VARLEN_ROW_PAD) * VARLEN_ROW_PAD
+
+
+# The SM90 forward's causal tile order (kernels/tile_scheduler.py): of H100's 50 MB L2 (two 25 MB
+# halves), what one section's K and V may take.
+L2_BYTES_FOR_KV = 32 * 1024 * 1024
+
+
+def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int) -> int:
+    """How many heads' K and V fit in the L2 budget together (at least 1); host side."""
+    return max(L2_BYTES_FOR_KV // max(seqlen_k * 2 * head_dim * elem_bytes, 1), 1)

@@ -1,6 +1,7 @@
 """The compiled-kernel caches without a GPU: the disk cache's location, round trip, corrupt
 entries, several processes filling it at once, and the SM90 length tiers built together (CPU)."""
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -27,23 +28,59 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     assert default_cache_dir() == str(tmp_path / "home" / ".cache" / "cute_attn")
 
 
+HAS_CC = bool(shutil.which("cc") or shutil.which("gcc"))
+
+
+def _fresh_process_get(cache_dir) -> list[str]:
+    """[builds, loads, the function's type, whether the DSL was imported] of one get in a new
+    process (a shared library, once loaded, stays mapped in its process whatever happens to the file)."""
+    script = textwrap.dedent(f"""
+        import sys
+        from cute_attn.compile import KernelCache, build, forward_key
+        cache = KernelCache(build, {str(cache_dir)!r})
+        fn = cache.get(forward_key("sm_80", "bf16", 32, False))
+        print(cache.builds, cache.loads, type(fn).__name__, any(m.split(".")[0] == "cutlass" for m in sys.modules))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
+def _replace_bytes(path, data: bytes) -> None:
+    """Rewrite a cache file as the cache itself does (a new file renamed over it)."""
+    tmp = path.with_suffix(".test.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
 def test_disk_round_trip_and_corrupt_entry(tmp_path):
     first = KernelCache(build, str(tmp_path))
     first.get(SMALL)
     assert (first.builds, first.loads) == (1, 0)
+    (obj,) = tmp_path.glob("*.o")
+    shared = obj.with_suffix(".so")
+    assert shared.exists() == HAS_CC, "the entry's shared library (linked wherever a C compiler is found)"
     second = KernelCache(build, str(tmp_path))
     assert second.get(SMALL) is not None and (second.builds, second.loads) == (0, 1)
     assert second.chosen(SMALL) == first.chosen(SMALL)
-    # a truncated object is a miss: rebuilt and replaced, never an error
-    (entry,) = tmp_path.glob("*.o")
-    entry.write_bytes(entry.read_bytes()[:100])
-    third = KernelCache(build, str(tmp_path))
-    third.get(SMALL)
-    assert (third.builds, third.loads) == (1, 0)
-    fourth = KernelCache(build, str(tmp_path))
-    fourth.get(SMALL)
-    assert (fourth.builds, fourth.loads) == (0, 1)
+    # a truncated shared library falls back to the object file (which imports the DSL); a truncated
+    # object file too is a miss: rebuilt and replaced, never an error
+    if HAS_CC:
+        _replace_bytes(shared, shared.read_bytes()[:100])
+        assert _fresh_process_get(tmp_path)[:2] == ["0", "1"]
+        shared.unlink()
+    _replace_bytes(obj, obj.read_bytes()[:100])
+    assert _fresh_process_get(tmp_path)[:2] == ["1", "0"]
+    assert _fresh_process_get(tmp_path)[:2] == ["0", "1"]
     assert not list(tmp_path.glob("*.tmp")), "temporary files left behind"
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler: entries keep only their object files")
+def test_a_cache_hit_imports_no_dsl(tmp_path):
+    """A process whose kernels come from the disk cache loads them through TVM-FFI alone: the
+    DSL's import (~0.5 s) stays out of its first call."""
+    KernelCache(build, str(tmp_path)).get(SMALL)
+    assert _fresh_process_get(tmp_path) == ["0", "1", "Function", "False"]
 
 
 def test_processes_filling_one_cache_compile_once(tmp_path):

@@ -191,7 +191,7 @@ def test_tile_scheduler_visits_every_tile_once_longest_first():
 
 
 def test_heads_per_section_fits_the_l2_budget():
-    from cute_attn.kernels.tile_scheduler import L2_BYTES_FOR_KV, heads_per_section
+    from cute_attn.traits import L2_BYTES_FOR_KV, heads_per_section
 
     per_head = 1024 * 2 * 128 * 2  # K and V of one head: seqlen 1024, d128, bf16
     assert heads_per_section(1024, 128, 2) == L2_BYTES_FOR_KV // per_head

@@ -23,13 +23,8 @@ the offsets, so its code is what it was before varlen existed.
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-# every kernel's tile_m (64 or 128) and the preprocess' divide it
-VARLEN_ROW_PAD = 128
-
-
-def varlen_padded_rows(total_q: int, batch: int) -> int:
-    """Rows of the backward's varlen row buffers (host side)."""
-    return -(-(total_q + batch * VARLEN_ROW_PAD) // VARLEN_ROW_PAD) * VARLEN_ROW_PAD
+# every kernel's tile_m (64 or 128) and the preprocess' divide it (host-side sizes live in traits)
+from cute_attn.traits import VARLEN_ROW_PAD, varlen_padded_rows  # noqa: F401
 
 
 class SeqlenInfo:

@@ -19,13 +19,8 @@ the longest-first order runs inside each section. The host picks the section (a 
 import cutlass
 from cutlass import Int32
 
-# of H100's 50 MB L2 (two 25 MB halves), what one section's K and V may take
-L2_BYTES_FOR_KV = 32 * 1024 * 1024
-
-
-def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int) -> int:
-    """How many heads' K and V fit in the L2 budget together (at least 1); host side."""
-    return max(L2_BYTES_FOR_KV // max(seqlen_k * 2 * head_dim * elem_bytes, 1), 1)
+# the host's choice of the section (free of the DSL, with the other host-side sizes)
+from cute_attn.traits import L2_BYTES_FOR_KV, heads_per_section  # noqa: F401
 
 
 def tile_coords(block: Int32, num_m_blocks: Int32, heads: Int32, batch: Int32, section: Int32):

@@ -40,9 +40,7 @@ from cute_attn.kernels.layout import acc_to_rows_cols, convert, transpose_smem
 from cute_attn.kernels.mask import alibi_slope_units, apply_mask, apply_softcap
 from cute_attn.kernels.seqlen_info import VARLEN_ROW_PAD, SeqlenInfo
 from cute_attn.kernels.sm80 import common
-
-# Rows of the padded per-row buffers (LSE_log2, D, dQ accumulator) are a multiple of this.
-ROW_PAD = 128
+from cute_attn.traits import BACKWARD_ROW_PAD as ROW_PAD  # rows of the padded per-row buffers: a multiple of this
 
 
 def _elem_ptr(t: cute.Tensor, i):
