@@ -280,15 +280,8 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout, determ
     world, rank = _world(group)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    ring = _Ring(group)
-    # K/V and the dK/dV accumulated for them travel together (the accumulators one hop behind,
-    # posted once this step's shares are in); after the last step one more hop brings them home
-    k_here, v_here = k, v
-    dk_acc = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-    dv_acc = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
-    dkv_pending = None
-    for step in range(world):
-        kv_pending = ring.start((k_here, v_here)) if step + 1 < world else None
+
+    def step_shares(step, k_here, v_here):
         shares = []
         for rows, keys, step_causal, step_window in _step_work(step, rank, world, q.shape[1], causal, layout, window):
             part = _local_backward(_part(dout, rows), _part(q, rows), _part(k_here, keys), _part(v_here, keys),
@@ -296,18 +289,42 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout, determ
                                    softcap, step_window)
             _part(dq, rows).add_(part[0])
             shares.append((keys, part))
+
+        def add(dk_acc, dv_acc):
+            for keys, part in shares:
+                _part(dk_acc, keys).add_(part[1])
+                _part(dv_acc, keys).add_(part[2])
+        return add
+
+    dk, dv = _gradient_ring(k, v, group, acc_dtype, step_shares)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _gradient_ring(k, v, group, acc_dtype, step_shares):
+    """The backward's ring, dense or varlen: K/V travel around it and the dK/dV accumulated for
+    them follow one hop behind (posted once a step's shares are in); after the last step one more
+    hop brings them home. ``step_shares(step, k_here, v_here)`` runs a step's local backward calls
+    (adding their dQ itself) and returns a function that adds their dK/dV shares into the
+    accumulators of the slice in hand. Returns the home slice's (dk, dv) in ``acc_dtype``."""
+    world, _ = _world(group)
+    ring = _Ring(group)
+    k_here, v_here = k, v
+    dk_acc = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    dkv_pending = None
+    for step in range(world):
+        kv_pending = ring.start((k_here, v_here)) if step + 1 < world else None
+        add_shares = step_shares(step, k_here, v_here)
         if dkv_pending is not None:  # the accumulators of the slice in hand
             dk_acc, dv_acc = _Ring.finish(dkv_pending)
-        for keys, part in shares:
-            _part(dk_acc, keys).add_(part[1])
-            _part(dv_acc, keys).add_(part[2])
+        add_shares(dk_acc, dv_acc)
         if world > 1:
             dkv_pending = ring.start((dk_acc, dv_acc))
         if kv_pending is not None:
             k_here, v_here = _Ring.finish(kv_pending)
     if dkv_pending is not None:
         dk_acc, dv_acc = _Ring.finish(dkv_pending)
-    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return dk_acc, dv_acc
 
 
 class _RingFlashAttn(torch.autograd.Function):
@@ -447,13 +464,8 @@ def _ring_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, group
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     parts = _VarlenParts(cu_seqlens, q.shape[0], max_seqlen)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    ring = _Ring(group)
-    k_here, v_here = k, v
-    dk_acc = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-    dv_acc = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
-    dkv_pending = None
-    for step in range(world):  # as _ring_backward: dK/dV accumulators travel one hop behind K/V
-        kv_pending = ring.start((k_here, v_here)) if step + 1 < world else None
+
+    def step_shares(step, k_here, v_here):
         shares = []
         for rows, keys, step_causal in _halves_work(step, rank, world, causal, layout):
             (cu_q, max_q), (cu_k, max_k) = parts.lengths(rows), parts.lengths(keys)
@@ -463,18 +475,15 @@ def _ring_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, group
                 step_causal, scale, deterministic, softcap)
             parts.add(dq, rows, dq_i)
             shares.append((keys, dk_i, dv_i))
-        if dkv_pending is not None:
-            dk_acc, dv_acc = _Ring.finish(dkv_pending)
-        for keys, dk_i, dv_i in shares:
-            parts.add(dk_acc, keys, dk_i)
-            parts.add(dv_acc, keys, dv_i)
-        if world > 1:
-            dkv_pending = ring.start((dk_acc, dv_acc))
-        if kv_pending is not None:
-            k_here, v_here = _Ring.finish(kv_pending)
-    if dkv_pending is not None:
-        dk_acc, dv_acc = _Ring.finish(dkv_pending)
-    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+        def add(dk_acc, dv_acc):
+            for keys, dk_i, dv_i in shares:
+                parts.add(dk_acc, keys, dk_i)
+                parts.add(dv_acc, keys, dv_i)
+        return add
+
+    dk, dv = _gradient_ring(k, v, group, acc_dtype, step_shares)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingFlashAttnVarlen(torch.autograd.Function):
