@@ -670,7 +670,13 @@ def build(key, keep_artifacts: bool = False):
 
 def forward_tier_siblings(key: ForwardKey) -> list[ForwardKey]:
     """The keys of every SM90 length tier of ``key``'s configuration, ``key`` among them, when
-    ``key`` is one of the table's tiers (else just ``key``: an explicit-traits key has no siblings)."""
+    ``key`` is one of the table's tiers (else just ``key``: an explicit-traits key has no siblings).
+    A KV-cache decode key's sibling is the same kernel with split-KV toggled: which of the two a
+    call takes follows the cache length (interface.decode_num_splits), so both are built on the
+    first use and a growing cache never compiles."""
+    if key.features.kvcache:
+        toggled = dataclasses.replace(key, features=dataclasses.replace(key.features, split=not key.features.split))
+        return [key, toggled]
     if key.kernel != "sm90":
         return [key]
     siblings = [

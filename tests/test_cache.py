@@ -119,6 +119,21 @@ def test_sm90_length_tiers_build_together(head_dim, causal):
     assert len(set(counting.keys)) == tiers
 
 
+def test_kv_cache_decode_builds_split_and_unsplit_together():
+    """Whether a decode call splits the keys follows the cache length: the first use of either
+    kernel builds both, so a growing cache never compiles."""
+    from cute_attn.kernels.features import Features
+
+    counting = CountingBuild()
+    cache = KernelCache(counting, None, group=forward_tier_siblings)
+    unsplit = forward_key("sm_90a", "bf16", 128, False, features=Features(kvcache=True, pack_gqa=True))
+    split = forward_key("sm_90a", "bf16", 128, False, features=Features(kvcache=True, pack_gqa=True, split=True))
+    cache.get(unsplit)
+    assert counting.keys == [unsplit, split]
+    cache.get(split)
+    assert len(counting.keys) == 2
+
+
 def test_explicit_traits_and_sm80_keys_have_no_siblings():
     traits = parse_traits("m128n128s2", 128)
     key = forward_key("sm_90a", "bf16", 128, False, traits=traits)
