@@ -622,7 +622,10 @@ def _link_shared_library(obj: Path, target: Path) -> None:
     run_path = [f"-Wl,-rpath,{d}" for d in sorted({os.path.dirname(lib) for lib in libraries})]
     tmp = target.with_suffix(f".{os.getpid()}.{threading.get_ident()}.so.tmp")
     try:
-        done = subprocess.run([compiler, "-shared", "-o", str(tmp), str(obj), *libraries, *run_path],
+        # every symbol resolved at link time and bound at load time: a library that could not run
+        # is never written, or fails to load (then the object file serves), never fails mid-call
+        flags = ["-Wl,--no-undefined", "-Wl,-z,now"]
+        done = subprocess.run([compiler, "-shared", "-o", str(tmp), str(obj), *libraries, *run_path, *flags],
                               capture_output=True, timeout=120)
         if done.returncode == 0:
             os.replace(tmp, target)
