@@ -672,23 +672,43 @@ def build(key, keep_artifacts: bool = False):
 
 
 def forward_tier_siblings(key: ForwardKey) -> list[ForwardKey]:
-    """The keys of every SM90 length tier of ``key``'s configuration, ``key`` among them, when
-    ``key`` is one of the table's tiers (else just ``key``: an explicit-traits key has no siblings).
-    A KV-cache decode key's sibling is the same kernel with split-KV toggled: which of the two a
-    call takes follows the cache length (interface.decode_num_splits), so both are built on the
-    first use and a growing cache never compiles."""
+    """The keys built together with ``key`` on its first use, ``key`` among them, so that no later
+    length compiles: which of them a call runs follows its lengths.
+    - an SM90 table key: every length tier of its configuration;
+    - a table key of a dense (not varlen) forward: also the split-KV kernel that ``forward`` runs
+      when few query rows meet many keys (interface._underfilled);
+    - a KV-cache decode key: the same kernel with split-KV toggled (the split count follows the
+      cache length, interface.decode_num_splits).
+    An explicit-traits key has no siblings."""
     if key.features.kvcache:
-        toggled = dataclasses.replace(key, features=dataclasses.replace(key.features, split=not key.features.split))
-        return [key, toggled]
-    if key.kernel != "sm90":
+        return [key, _with_features(key, split=not key.features.split)]
+    if key.kernel == "sm90":
+        siblings = [
+            ForwardKey(key.kernel, key.target, key.dtype, key.head_dim, key.causal, key.check_hdim,
+                       _without_multicast(sm90_forward_traits(key.head_dim, key.causal, None, tier), key.features),
+                       key.features)
+            for tier in sm90_seqlen_tiers(key.head_dim, key.causal)
+        ]
+    else:
+        siblings = [key] if key.candidates == sm80_forward_traits(key.head_dim, key.causal) else []
+    if key not in siblings:
         return [key]
-    siblings = [
-        ForwardKey(key.kernel, key.target, key.dtype, key.head_dim, key.causal, key.check_hdim,
-                   _without_multicast(sm90_forward_traits(key.head_dim, key.causal, None, tier), key.features),
-                   key.features)
-        for tier in sm90_seqlen_tiers(key.head_dim, key.causal)
-    ]
-    return siblings if key in siblings else [key]
+    if not (key.features.varlen or key.features.decode):
+        siblings.append(forward_split_key(key.target, key.dtype, key.head_dim - 8 * key.check_hdim, key.causal,
+                                          key.features))
+    return siblings
+
+
+def _with_features(key: ForwardKey, **changes) -> ForwardKey:
+    return dataclasses.replace(key, features=dataclasses.replace(key.features, **changes))
+
+
+def forward_split_key(target: str, dtype: str, head_dim: int, causal: bool, features: Features,
+                      split: bool = True) -> ForwardKey:
+    """The decode kernel that ``forward``'s split-KV path (and, with ``kvcache``, the KV-cache
+    path) runs for these options: packed GQA unless ALiBi (whose slope is per head, not per row)."""
+    decode = dataclasses.replace(features, split=split, pack_gqa=not features.alibi)
+    return forward_key(target, dtype, head_dim, causal, features=decode)
 
 
 forward_cache = KernelCache(build_forward, default_cache_dir(), group=forward_tier_siblings)

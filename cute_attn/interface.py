@@ -518,8 +518,10 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
     heads_kv = k.shape[2]
     group = heads // heads_kv
     # the query heads of a K/V head share its tile rows (one read of each K/V block), unless ALiBi
-    # (a slope per head) or long queries (then the plain grid has enough CTAs)
-    pack = group > 1 and not opts.features.alibi and seqlen_q * group <= 128
+    # (a slope per head); with one query head per K/V head the packed rows are the plain ones. The
+    # choice depends on no length or head count, so a new shape never compiles (the split and
+    # unsplit kernels are built together: compile.forward_tier_siblings)
+    pack = not opts.features.alibi
     candidates = sm80_decode_traits(head_dim, plan.smem_capacity, page_size, spec=traits)
     tile_m, tile_n = candidates[0].tile_m, candidates[0].tile_n
     ctas = -(-seqlen_q * (group if pack else 1) // tile_m) * (heads_kv if pack else heads) * batch

@@ -4,7 +4,8 @@
     python -m cute_attn.prebuild --arch sm_80 sm_90a --jobs 8 --cache-dir /opt/cute_attn_cache
 
 Compiles, for each target, the kernels a GPU of that target runs (sm_90a: the SM90 family with its
-SM80 fallbacks; others: SM80), forward and backward, every SM90 length tier, into the cache
+SM80 fallbacks; others: SM80), forward and backward, every SM90 length tier and each forward's
+split-KV kernel (what the runtime builds together: compile.forward_tier_siblings), into the cache
 directory (default: ``compile.default_cache_dir()``; point ``CUTE_ATTN_CACHE_DIR`` at the same
 directory where it runs). Kernels already in the cache are loaded, not rebuilt, so a rerun is quick.
 Head dims are the ones the model uses (72 and 96 are different kernels: padded vs not).
@@ -22,7 +23,7 @@ def prebuild_keys(targets, head_dims, dtypes, causal=(False, True), deterministi
                   directions=("fwd", "bwd"), features=None) -> list:
     """The kernel keys a GPU of each target would compile at run time for these parameters
     (``features``: kernels/features.py sets; default none)."""
-    from cute_attn.compile import backward_variants, forward_variants
+    from cute_attn.compile import backward_variants, forward_tier_siblings, forward_variants
     from cute_attn.kernels.features import NO_FEATURES
 
     features = tuple(features or (NO_FEATURES,))
@@ -31,8 +32,10 @@ def prebuild_keys(targets, head_dims, dtypes, causal=(False, True), deterministi
     for target in targets:
         kernels = ["sm90" if target == "sm_90a" else "sm80"]
         if "fwd" in directions:
-            keys.update(dict.fromkeys(forward_variants([target], head_dims, dtypes, causal, kernels=kernels,
-                                                        features=features)))
+            # with what the runtime builds beside each (its split-KV kernel, the other tiers)
+            keys.update(dict.fromkeys(sibling for key in forward_variants([target], head_dims, dtypes, causal,
+                                                                           kernels=kernels, features=features)
+                                      for sibling in forward_tier_siblings(key)))
         if "bwd" in directions:
             keys.update(dict.fromkeys(backward_variants([target], head_dims, dtypes, causal, deterministic,
                                                         kernels=kernels, features=features)))

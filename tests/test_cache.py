@@ -10,6 +10,7 @@ import pytest
 
 from cute_attn import compile as compile_mod
 from cute_attn.compile import KernelCache, build, default_cache_dir, forward_key, forward_tier_siblings
+from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.traits import SM90_FORWARD, parse_traits
 
 SMALL = forward_key("sm_80", "bf16", 32, False)  # the quickest kernel to compile
@@ -112,17 +113,19 @@ def test_sm90_length_tiers_build_together(head_dim, causal):
     tiers = len(SM90_FORWARD[head_dim][causal])
     assert tiers > 1
     cache.get(forward_key("sm_90a", "bf16", head_dim, causal, kernel="sm90", seqlen=300))
-    assert len(counting.keys) == tiers  # every tier on the first use
+    assert len(counting.keys) == tiers + 1  # every tier, and the split-KV kernel, on the first use
+    split = compile_mod.forward_split_key("sm_90a", "bf16", head_dim, causal, NO_FEATURES)
+    assert counting.keys[-1] == split
     for seqlen in (1, 1000, 1025, 2048, 4097, 8192, 8193, 100000):
         cache.get(forward_key("sm_90a", "bf16", head_dim, causal, kernel="sm90", seqlen=seqlen))
-    assert len(counting.keys) == tiers  # no length compiles again
-    assert len(set(counting.keys)) == tiers
+    cache.get(split)
+    assert len(counting.keys) == tiers + 1  # no length compiles again
+    assert len(set(counting.keys)) == tiers + 1
 
 
 def test_kv_cache_decode_builds_split_and_unsplit_together():
     """Whether a decode call splits the keys follows the cache length: the first use of either
     kernel builds both, so a growing cache never compiles."""
-    from cute_attn.kernels.features import Features
 
     counting = CountingBuild()
     cache = KernelCache(counting, None, group=forward_tier_siblings)
@@ -134,12 +137,30 @@ def test_kv_cache_decode_builds_split_and_unsplit_together():
     assert len(counting.keys) == 2
 
 
-def test_explicit_traits_and_sm80_keys_have_no_siblings():
+def test_explicit_traits_have_no_siblings_and_sm80_keys_only_their_split_kernel():
     traits = parse_traits("m128n128s2", 128)
     key = forward_key("sm_90a", "bf16", 128, False, traits=traits)
     assert forward_tier_siblings(key) == [key]
-    assert forward_tier_siblings(SMALL) == [SMALL]
+    assert forward_tier_siblings(forward_key("sm_80", "bf16", 32, False, traits=parse_traits("m64n64w4s2", 32))) \
+        == [forward_key("sm_80", "bf16", 32, False, traits=parse_traits("m64n64w4s2", 32))]
+    assert forward_tier_siblings(SMALL) == [SMALL, compile_mod.forward_split_key("sm_80", "bf16", 32, False, NO_FEATURES)]
+    # varlen has no split path
+    varlen = forward_key("sm_80", "bf16", 32, False, features=Features(varlen=True))
+    assert forward_tier_siblings(varlen) == [varlen]
     assert compile_mod.forward_cache._group is forward_tier_siblings
+
+
+@pytest.mark.parametrize("smem", [227 * 1024, 99 * 1024])
+@pytest.mark.parametrize("head_dim,alibi", [(128, False), (72, True), (256, False)])
+def test_split_sibling_is_the_key_the_split_path_asks_for(smem, head_dim, alibi):
+    """The sibling built with a dense forward is the split-KV key interface._decode_launcher looks
+    up for that forward's options, whatever the GPU's shared memory (the decode traits fit ~100 KB)."""
+    from cute_attn.traits import sm80_decode_traits
+
+    features = Features(alibi=alibi, local=True)
+    asked = forward_key("sm_90a", "fp16", head_dim, True, smem, traits=sm80_decode_traits(head_dim, smem, 0),
+                        features=Features(alibi=alibi, local=True, split=True, pack_gqa=not alibi))
+    assert compile_mod.forward_split_key("sm_90a", "fp16", head_dim, True, features) == asked
 
 
 def test_prebuild_fills_the_cache_the_runtime_reads(tmp_path, capsys):
@@ -152,12 +173,12 @@ def test_prebuild_fills_the_cache_the_runtime_reads(tmp_path, capsys):
                                         smem_capacity=227 * 1024)
     assert main in keys
     fwd = prebuild.prebuild_keys(["sm_80"], [32], ["bf16"], [False], directions=["fwd"])
-    assert fwd == [SMALL]
+    assert fwd == forward_tier_siblings(SMALL)  # the kernel and its split-KV sibling
     assert prebuild.main(["--arch", "sm_80", "--head-dim", "32", "--dtype", "bf16", "--causal", "0",
                           "--direction", "fwd", "--cache-dir", str(tmp_path)]) == 0
-    assert "1 kernels in" in capsys.readouterr().out
-    cache = KernelCache(build, str(tmp_path))
+    assert "2 kernels in" in capsys.readouterr().out
+    cache = KernelCache(build, str(tmp_path), group=forward_tier_siblings)
     cache.get(SMALL)
-    assert (cache.builds, cache.loads) == (0, 1)
+    assert (cache.builds, cache.loads) == (0, 2)
     with pytest.raises(SystemExit):
         prebuild.main(["--head-dim", "12"])
