@@ -17,7 +17,7 @@ current CUDA stream. Caches:
   directory compile each kernel once); an entry that fails to load is rebuilt and replaced.
   Each entry is also linked into a shared library (where a C compiler is found), which TVM-FFI
   loads without importing the DSL: a process whose kernels all come from the cache never pays
-  the DSL's import (~0.5 s of a first call). The object file stays as the fallback.
+  the DSL's import (most of a warm first call). The object file stays as the fallback.
 """
 
 from __future__ import annotations
