@@ -1,8 +1,19 @@
 """Shared pieces of the GPU tests: fresh random inputs, NaN poisoning, error criteria."""
 
+import pytest
 import torch
 
+import cute_attn
 from cute_attn.reference import attention_reference
+
+
+@pytest.fixture(params=["sm80", "sm90"], autouse=True)
+def arch(request):
+    """Every GPU test runs under each kernel family (import this into a test module to apply it)."""
+    if request.param == "sm90" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the SM90 kernels need compute capability 9.0")
+    with cute_attn.force_arch(request.param):
+        yield request.param
 
 
 def random_qkv(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, device="cuda", requires_grad=False):

@@ -10,16 +10,9 @@ import torch
 import cute_attn
 from cute_attn.reference import attention_backward_reference, attention_reference
 from helpers import check_close, poisoned_like, random_qkv
+from helpers import arch  # noqa: F401  (autouse: every test under both kernel families)
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(params=["sm80", "sm90"], autouse=True)
-def arch(request):
-    if request.param == "sm90" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the SM90 kernels need compute capability 9.0")
-    with cute_attn.force_arch(request.param):
-        yield request.param
 
 
 HEAD_DIMS = [32, 64, 96, 128, 192, 256, 72]  # table entries, then a padded one

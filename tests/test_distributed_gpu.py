@@ -80,7 +80,8 @@ def _varlen_worker(rank, world, port):
         for causal in (False, True):
             for layout in cp.LAYOUTS:
                 g = torch.Generator(device="cuda").manual_seed(7 + causal)
-                q, k, v = (torch.randn(total, h, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
+                q, k, v = (torch.randn(total, h, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                           for h in (8, 2, 2))
                 dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
                 shards = [cp.shard_varlen(t, cu, layout=layout)[0].requires_grad_() for t in (q, k, v)]
                 local_cu = cu // world

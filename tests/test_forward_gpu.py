@@ -9,16 +9,10 @@ import torch
 
 import cute_attn
 from helpers import check_close, check_lse, poisoned_like, random_qkv, reference_pair
+from helpers import arch  # noqa: F401  (autouse: every test under both kernel families)
 
 pytestmark = pytest.mark.gpu
 
-
-@pytest.fixture(params=["sm80", "sm90"], autouse=True)
-def arch(request):
-    if request.param == "sm90" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the SM90 kernel needs compute capability 9.0")
-    with cute_attn.force_arch(request.param):
-        yield request.param
 
 HEAD_DIMS = [32, 64, 96, 128, 192, 256, 40, 120, 200]  # table entries, then padded ones
 SEQLENS = [  # (seqlen_q, seqlen_k): odd lengths, tile +-1, and seqlen_q != seqlen_k both ways

@@ -24,16 +24,9 @@ import torch
 import cute_attn
 from cute_attn.reference import attention_kvcache_reference
 from helpers import check_close, check_lse, max_err
+from helpers import arch  # noqa: F401  (autouse: every test under both kernel families)
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(params=["sm80", "sm90"], autouse=True)
-def arch(request):
-    if request.param == "sm90" and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the SM90 kernels need compute capability 9.0")
-    with cute_attn.force_arch(request.param):
-        yield request.param
 
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -482,7 +475,6 @@ def test_forward_takes_the_split_path(causal):
     the result, the LSE and the gradients (the backward is the regular kernel's, from that LSE)
     match the reference."""
     from cute_attn.reference import attention_reference
-    from helpers import check_lse as lse_check
 
     for batch, seqlen_q, heads, heads_kv, seqlen_k in [(1, 1, 8, 8, 8192), (1, 17, 32, 8, 4096), (2, 128, 4, 1, 2048)]:
         q, k, v, _, _ = decode_inputs(batch, seqlen_q, heads, heads_kv, 128, seqlen_k, BF16)
@@ -492,7 +484,7 @@ def test_forward_takes_the_split_path(causal):
         same, _ = attention_reference(q, k, v, causal=causal, compute_dtype=BF16)
         out, lse = cute_attn.forward(q, k, v, causal=causal, return_lse=True)
         check_close("out", out, ref, same, 1e-4, case)
-        lse_check(lse, ref_lse, case)
+        check_lse(lse, ref_lse, case)
         qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
         dout = torch.randn_like(q)
         cute_attn.flash_attn_func(qg, kg, vg, causal=causal).backward(dout)
