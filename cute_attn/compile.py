@@ -18,6 +18,13 @@ current CUDA stream. Caches:
   Each entry is also linked into a shared library (where a C compiler is found), which TVM-FFI
   loads without importing the DSL: a process whose kernels all come from the cache never pays
   the DSL's import (most of a warm first call). The object file stays as the fallback.
+
+With the disk cache on, a first call compiles only the kernel it runs; the kernels built together
+with it (the other length tiers, the split-KV kernel) and the backward of an autograd forward are
+compiled meanwhile by a background process into the disk cache (``KernelCache.prefetch``), where
+the first call that needs one loads it, or waits on its file lock while it is still compiling.
+``CUTE_ATTN_BACKGROUND_BUILD=0`` builds them in the calling process instead, as does a cache
+without a disk directory.
 """
 
 from __future__ import annotations
@@ -467,9 +474,10 @@ class KernelCache:
     EXPORT_NAME = "kernel"
 
     def __init__(self, build: Callable[[Any], Any], disk_dir: str | None = None,
-                 group: Callable[[Any], Iterable[Any]] | None = None):
+                 group: Callable[[Any], Iterable[Any]] | None = None, background: bool = False):
         self._build = build
         self._group = group
+        self._background = background
         self._fns: dict[Any, Any] = {}
         self._chosen: dict[Any, Any] = {}
         self._lock = threading.Lock()
@@ -483,10 +491,26 @@ class KernelCache:
         if fn is not None:
             return fn
         fn = self._get_one(key)
-        for other in self._group(key) if self._group else ():
-            if other != key:
-                self._get_one(other)
+        others = [other for other in (self._group(key) if self._group else ()) if other != key]
+        if others:
+            self.prefetch(others)
         return fn
+
+    def prefetch(self, keys, now_otherwise: bool = True) -> None:
+        """Make ``keys`` ready for a later ``get`` without compiling them here when this cache has
+        a disk directory and background builds are on: a background process compiles the ones
+        not yet on disk (``_BackgroundBuilds``). Otherwise they are built (or loaded) now, or,
+        with ``now_otherwise=False`` (keys that may never be asked for), left alone."""
+        keys = [key for key in keys if key not in self._fns]
+        if not keys:
+            return
+        if self._background and self._disk is not None and os.environ.get("CUTE_ATTN_BACKGROUND_BUILD", "1") != "0":
+            missing = [key for key in keys if not self._path(key).with_suffix(".choice").exists()]
+            if missing:
+                _BACKGROUND.submit(str(self._disk), missing)
+            return
+        for key in keys if now_otherwise else ():
+            self._get_one(key)
 
     def _get_one(self, key):
         with self._lock:
@@ -578,6 +602,82 @@ class KernelCache:
             os.replace(tmp, path)
         except Exception:  # a read-only or full disk costs the cache, never the call
             tmp.unlink(missing_ok=True)
+
+
+class _BackgroundBuilds:
+    """Compiles keys into a disk cache in child processes (``python -c``, not multiprocessing,
+    which would re-run an unguarded ``__main__``), each job in its own child, at most
+    ``workers`` at a time, from daemon threads that only wait on them: the caller's thread keeps
+    the GIL to itself. A child takes each key's file lock, so a process that needs a key still
+    compiling waits for it and then loads it; one that needs a key no child has started compiles
+    it itself (the child then finds it on disk); if a child dies, its lock is released."""
+
+    _CHILD = ("import pickle, sys; job = pickle.load(sys.stdin.buffer); sys.path[:0] = job['path']; "
+              "from cute_attn.compile import _build_into; _build_into(job['dir'], job['keys'])")
+
+    def __init__(self, workers: int = 2):
+        self._workers = workers
+        self._jobs: list = []
+        self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._busy = 0
+
+    def submit(self, disk_dir: str, keys: list) -> None:
+        with self._cond:
+            self._jobs.append((disk_dir, keys))
+            if len(self._threads) < min(self._workers, len(self._jobs) + self._busy):
+                thread = threading.Thread(target=self._run, name="cute_attn-background-build", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+            self._cond.notify()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted job is done (tests and tools); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout)
+
+    def _run(self) -> None:
+        import subprocess
+        import sys
+
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._jobs)
+                disk_dir, keys = self._jobs.pop(0)
+                self._busy += 1
+            try:
+                os.makedirs(disk_dir, exist_ok=True)
+                job = pickle.dumps(dict(path=[p for p in sys.path if p], dir=disk_dir, keys=keys))
+                with open(os.path.join(disk_dir, "background.log"), "ab") as log:
+                    subprocess.run([sys.executable, "-c", self._CHILD], input=job, stdout=log, stderr=log,
+                                   timeout=1800)
+            except Exception:  # a failed background build costs only the prefetch: get() builds
+                pass
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+
+
+_BACKGROUND = _BackgroundBuilds()
+
+
+def wait_for_background_builds(timeout: float | None = None) -> bool:
+    """Block until the background builds submitted so far are done; False on timeout."""
+    return _BACKGROUND.wait(timeout)
+
+
+def _build_into(disk_dir: str, keys) -> None:
+    """The background child: compile ``keys`` into ``disk_dir`` (and each backward main kernel's
+    postprocess, whose key follows the traits the main kernel was compiled with)."""
+    try:
+        os.nice(5)  # behind the foreground process on a busy host
+    except OSError:
+        pass
+    cache = KernelCache(build, disk_dir)
+    for key in keys:
+        cache.get(key)
+        if isinstance(key, BackwardKey):
+            cache.get(backward_post_key(key, cache.chosen(key)))
 
 
 def _load_shared_library(path: Path, name: str):
@@ -711,8 +811,8 @@ def forward_split_key(target: str, dtype: str, head_dim: int, causal: bool, feat
     return forward_key(target, dtype, head_dim, causal, features=decode)
 
 
-forward_cache = KernelCache(build_forward, default_cache_dir(), group=forward_tier_siblings)
-backward_cache = KernelCache(build_backward, default_cache_dir())
+forward_cache = KernelCache(build_forward, default_cache_dir(), group=forward_tier_siblings, background=True)
+backward_cache = KernelCache(build_backward, default_cache_dir(), background=True)
 
 
 def forward_variants(

@@ -678,6 +678,32 @@ def _launch_backward(dout, q, k, v, out, lse, dq, dk, dv, causal, scale, determi
         dout, q, k, v, out, lse, dq, dk, dv, None, None, None)
 
 
+def _backward_keys(plan, q, opts: _Scores, deterministic: bool, traits=None):
+    """(preprocess, main) keys of the backward for q (batch, seqlen, heads, head_dim) and opts."""
+    return compile_mod.backward_keys(plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], opts.causal, deterministic,
+                                     traits=traits, kernel=plan.kernel, smem_capacity=plan.smem_capacity,
+                                     features=opts.features)
+
+
+def _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes,
+                       varlen: bool = False) -> None:
+    """An autograd forward's backward will follow: have its kernels compiled meanwhile, beside the
+    forward's own first compile (in a background process when the disk cache is on,
+    compile.KernelCache.prefetch), so the first backward loads them. Called before the forward
+    (which validates everything): a bad option is left for the forward to report."""
+    try:
+        opts = _score_options(causal, softmax_scale, q.shape[-1], window_size, softcap, alibi_slopes is not None,
+                              varlen=varlen)
+        if not q.is_cuda or q.dtype not in _DTYPE_NAMES:
+            return
+        pre, main = _backward_keys(dispatch.plan_for_device(q.device), q.unsqueeze(0) if varlen else q, opts,
+                                   bool(deterministic))
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        return
+    if main not in compile_mod.backward_cache:
+        compile_mod.backward_cache.prefetch([pre, main], now_otherwise=False)
+
+
 def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, max_seqlen_q: int = 0,
                        max_seqlen_k: int = 0, batch: int | None = None):
     """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
@@ -687,9 +713,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     from cute_attn.traits import varlen_padded_rows
 
     plan = dispatch.plan_for_device(q.device)
-    pre, main = compile_mod.backward_keys(plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], opts.causal, deterministic,
-                                          traits=traits, kernel=plan.kernel, smem_capacity=plan.smem_capacity,
-                                          features=opts.features)
+    pre, main = _backward_keys(plan, q, opts, deterministic, traits)
     cache = compile_mod.backward_cache
     chosen = cache.chosen(main)
     if chosen.smem_bytes() > plan.smem_capacity:
@@ -745,6 +769,7 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes):
+        _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes)
         out, lse = forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                            softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -767,6 +792,7 @@ class VarlenFlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                 deterministic, window_size, softcap, alibi_slopes):
+        _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes, varlen=True)
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                                   alibi_slopes=alibi_slopes, return_lse=True)

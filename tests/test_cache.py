@@ -182,3 +182,34 @@ def test_prebuild_fills_the_cache_the_runtime_reads(tmp_path, capsys):
     assert (cache.builds, cache.loads) == (0, 2)
     with pytest.raises(SystemExit):
         prebuild.main(["--head-dim", "12"])
+
+
+def test_siblings_compile_in_a_background_process(tmp_path, monkeypatch):
+    """With a disk cache, a first use compiles only its own kernel; a child process compiles the
+    siblings into the directory, from where the first call that needs one loads it."""
+    monkeypatch.delenv("CUTE_ATTN_BACKGROUND_BUILD", raising=False)
+    split = compile_mod.forward_split_key("sm_80", "bf16", 32, False, NO_FEATURES)
+    cache = KernelCache(build, str(tmp_path), group=forward_tier_siblings, background=True)
+    assert cache.get(SMALL) is not None
+    assert cache.builds == 1 and split not in cache
+    assert compile_mod.wait_for_background_builds(600)
+    assert cache.get(split) is not None
+    assert (cache.builds, cache.loads) == (1, 1), (cache.builds, cache.loads,
+                                                   (tmp_path / "background.log").read_text()[-2000:])
+    # a later first use whose siblings are already on disk submits nothing
+    again = KernelCache(build, str(tmp_path), group=forward_tier_siblings, background=True)
+    again.get(SMALL)
+    assert split not in again and (again.builds, again.loads) == (0, 1)
+
+
+def test_background_builds_off_and_without_a_disk_cache(tmp_path, monkeypatch):
+    """CUTE_ATTN_BACKGROUND_BUILD=0, or no disk directory: the siblings are built by the caller."""
+    split = compile_mod.forward_split_key("sm_80", "bf16", 32, False, NO_FEATURES)
+    monkeypatch.setenv("CUTE_ATTN_BACKGROUND_BUILD", "0")
+    off = KernelCache(build, str(tmp_path), group=forward_tier_siblings, background=True)
+    off.get(SMALL)
+    assert split in off and off.builds == 2
+    monkeypatch.delenv("CUTE_ATTN_BACKGROUND_BUILD")
+    memory = KernelCache(build, None, group=forward_tier_siblings, background=True)
+    memory.get(SMALL)
+    assert split in memory and memory.builds == 2

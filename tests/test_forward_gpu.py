@@ -85,17 +85,46 @@ def test_forward_runs_on_current_stream():
 
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (128, False), (128, True)])
 def test_new_shapes_do_not_recompile(head_dim, causal):
-    """Nor a new SM90 length tier: the first call builds (or loads) every tier of its configuration."""
+    """Nor a new SM90 length tier: the first call builds every tier of its configuration, or (disk
+    cache on) has a background process build the others, which later lengths load from disk."""
     from cute_attn import compile as compile_mod
 
     cache = compile_mod.forward_cache
     q, k, v = random_qkv(1, 64, 64, 2, 2, head_dim, torch.bfloat16)
     cute_attn.forward(q, k, v, causal=causal)
-    before = (len(cache._fns), cache.builds, cache.loads)
+    builds = cache.builds
     for seqlen in (65, 300, 1025, 2049, 4097, 8193):
         q, k, v = random_qkv(2, seqlen, seqlen + 7, 4, 2, head_dim, torch.bfloat16)
         cute_attn.forward(q, k, v, causal=causal)
-    assert (len(cache._fns), cache.builds, cache.loads) == before
+    assert cache.builds == builds
+    held = (len(cache._fns), cache.loads)
+    for seqlen in (100, 3000, 9000):  # every tier is in memory now
+        q, k, v = random_qkv(1, seqlen, seqlen, 2, 2, head_dim, torch.bfloat16)
+        cute_attn.forward(q, k, v, causal=causal)
+    assert (len(cache._fns), cache.loads, cache.builds) == (*held, builds)
+
+
+def test_first_backward_after_an_autograd_forward_compiles_nothing(tmp_path):
+    """flash_attn_func's forward has the backward's kernels compiled in the background (disk cache
+    on): the first backward in this process loads them."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, cute_attn
+        from cute_attn import compile as c
+        q, k, v = (torch.randn(2, 333, 4, 96, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+        out = cute_attn.flash_attn_func(q, k, v, causal=True)
+        assert c.wait_for_background_builds(900)
+        out.sum().backward()
+        print(c.backward_cache.builds, c.backward_cache.loads, bool(torch.isfinite(q.grad).all()))
+    """)
+    env = {**os.environ, "CUTE_ATTN_CACHE_DIR": str(tmp_path), "CUTE_ATTN_BACKGROUND_BUILD": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0", "3", "True"], done.stdout
 
 
 @pytest.mark.parametrize("causal", [False, True])

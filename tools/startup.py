@@ -1,4 +1,4 @@
-"""First-call latency and per-call host overhead of cute_attn beside SDPA flash and FA4 (needs a GPU).
+"""First-call latency and per-call host overhead of cute_attn beside SDPA flash, SDPA cuDNN and FA4 (needs a GPU).
 
     python tools/startup.py                      # d128 bf16 forward, B1 S128 H16 (host overhead) and B2 S2048 H16
     python tools/startup.py --cache-dir DIR      # cute_attn's warm run reads this disk cache
@@ -27,23 +27,33 @@ t0 = time.perf_counter()
 import torch
 torch.ones(1, device="cuda").add_(1); torch.cuda.synchronize()  # the CUDA context, as any program has it
 t_torch = time.perf_counter()
-which, seqlen = sys.argv[1], int(sys.argv[2])
-q, k, v = (torch.randn(1 if seqlen <= 128 else 2, seqlen, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+which, seqlen, train = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+q, k, v = (torch.randn(1 if seqlen <= 128 else 2, seqlen, 16, 128, device="cuda", dtype=torch.bfloat16,
+                       requires_grad=train) for _ in range(3))
+dout = torch.randn_like(q)
 torch.cuda.synchronize()
 t1 = time.perf_counter()
 if which == "cute_attn":
     import cute_attn
-    fn = lambda: cute_attn.forward(q, k, v, causal=True)
-elif which == "sdpa":
+    fn = (lambda: cute_attn.flash_attn_func(q, k, v, causal=True)) if train else \
+        (lambda: cute_attn.forward(q, k, v, causal=True))
+elif which in ("sdpa", "cudnn"):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    backend = SDPBackend.FLASH_ATTENTION if which == "sdpa" else SDPBackend.CUDNN_ATTENTION
     def fn():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 else:
     from flash_attn.cute import flash_attn_func
     fn = lambda: flash_attn_func(q, k, v, causal=True)
+if train:  # forward and backward (transposed back for SDPA; FA4 returns (out, lse))
+    step = fn
+    def fn():
+        out = step()
+        out = out[0] if isinstance(out, tuple) else out
+        torch.autograd.grad(out, (q, k, v), dout.transpose(1, 2) if out.shape != dout.shape else dout)
 t2 = time.perf_counter()
 fn(); torch.cuda.synchronize()
 t3 = time.perf_counter()
@@ -61,8 +71,9 @@ print(json.dumps(dict(import_s=t2 - t1, first_s=t3 - t2, second_s=t4 - t3, per_c
 """
 
 
-def run(which: str, seqlen: int, env: dict) -> dict | None:
-    proc = subprocess.run([sys.executable, "-c", _CHILD, which, str(seqlen)], env=env, capture_output=True, text=True)
+def run(which: str, seqlen: int, env: dict, train: bool = False) -> dict | None:
+    proc = subprocess.run([sys.executable, "-c", _CHILD, which, str(seqlen), "1" if train else "0"], env=env,
+                          capture_output=True, text=True)
     if proc.returncode:
         print(f"# {which} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}",
               file=sys.stderr)
@@ -83,6 +94,7 @@ def main(argv=None):
         with tempfile.TemporaryDirectory(prefix="cute_attn_cold_") as cold:
             warm = args.cache_dir or cold
             rows.append(("SDPA flash", s, run("sdpa", s, base)))
+            rows.append(("SDPA cuDNN", s, run("cudnn", s, base)))
             rows.append(("FA4 (CuTe DSL)", s, run("fa4", s, base)))
             if not args.cache_dir:
                 rows.append(("cute_attn cold (empty disk cache)", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": cold})))
