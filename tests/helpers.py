@@ -62,3 +62,26 @@ def reference_pair(q, k, v, causal, softmax_scale=None):
     ref, ref_lse = attention_reference(q, k, v, causal, softmax_scale)
     same, _ = attention_reference(q, k, v, causal, softmax_scale, compute_dtype=q.dtype)
     return ref, same, ref_lse
+
+
+def call_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, causal=False, window_size=(-1, -1), scale=None):
+    """``torch.nn.attention.varlen.varlen_attn`` in whichever signature this torch has: torch 2.10
+    takes ``is_causal`` (no window), later ones ``window_size`` ((left, 0) when causal: (-1, 0) is
+    plain causal) and, from some version on, ``enable_gqa`` for fewer K/V heads (older ones pass
+    them to the kernel unchecked). Skips the test where this torch cannot express the call."""
+    import inspect
+
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    params = inspect.signature(varlen.varlen_attn).parameters
+    kwargs = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (window_size[0], 0) if causal else tuple(window_size)
+    elif tuple(window_size) != (-1, -1):
+        pytest.skip("this torch's varlen_attn has no window_size")
+    else:
+        kwargs["is_causal"] = causal
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
+    if scale is not None:
+        kwargs["scale"] = scale
+    return varlen.varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
