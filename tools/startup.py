@@ -7,7 +7,8 @@ Every first call runs in a fresh Python process (``python -c``), timed inside it
 library, then the first call (CUDA context and torch's own kernels already warmed by one torch op,
 as in a real program), synchronised. Three cute_attn rows: a cold one (an empty cache directory:
 compiles), a warm one (``--cache-dir`` filled, e.g. by a cold run: loads), and a second call in
-the warm process. Host overhead: wall time per call over 2000 back-to-back calls of a tiny shape
+the warm process. The fwd+bwd rows time the first forward and backward (``torch.autograd.grad``)
+as a training step's first call. Host overhead: wall time per call over 2000 back-to-back calls of a tiny shape
 (B1 S128 H16 d128), where the GPU work is a few microseconds and the host's share shows.
 Prints a markdown table.
 """
@@ -68,6 +69,9 @@ for _ in range(2000):
 torch.cuda.synchronize()
 t6 = time.perf_counter()
 print(json.dumps(dict(import_s=t2 - t1, first_s=t3 - t2, second_s=t4 - t3, per_call_us=(t6 - t5) / 2000 * 1e6)))
+if which == "cute_attn":  # the background builds finish before the next row's process starts
+    from cute_attn import compile as cc
+    cc.wait_for_background_builds(900)
 """
 
 
@@ -85,6 +89,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache-dir", default=None, help="cute_attn's warm disk cache (default: a fresh one, filled by the cold run)")
     p.add_argument("--seqlens", type=int, nargs="+", default=[128, 2048])
+    p.add_argument("--train-seqlens", type=int, nargs="*", default=[2048],
+                   help="forward+backward rows (flash_attn_func / autograd) at these lengths")
     args = p.parse_args(argv)
     import torch
 
@@ -99,8 +105,17 @@ def main(argv=None):
             if not args.cache_dir:
                 rows.append(("cute_attn cold (empty disk cache)", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": cold})))
             rows.append(("cute_attn warm (disk cache filled)", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": warm})))
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 d128 heads 16 causal forward, "
-          f"fresh process per row\n")
+    for s in args.train_seqlens:  # forward + backward: the first step of a training run
+        with tempfile.TemporaryDirectory(prefix="cute_attn_cold_") as cold:
+            warm = args.cache_dir or cold
+            rows.append(("SDPA flash, fwd+bwd", s, run("sdpa", s, base, True)))
+            rows.append(("SDPA cuDNN, fwd+bwd", s, run("cudnn", s, base, True)))
+            rows.append(("FA4 (CuTe DSL), fwd+bwd", s, run("fa4", s, base, True)))
+            if not args.cache_dir:
+                rows.append(("cute_attn cold, fwd+bwd", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": cold}, True)))
+            rows.append(("cute_attn warm, fwd+bwd", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": warm}, True)))
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 d128 heads 16 causal forward "
+          f"(fwd+bwd rows: forward and backward), fresh process per row\n")
     print("| implementation | B x S | import (s) | first call (s) | second call (ms) | per call, 2000 calls (us) |")
     print("|---|---|---|---|---|---|")
     for name, s, r in rows:
