@@ -277,7 +277,8 @@ def _fake_backward_tensors(dtype, head_dim_padded: int):
 
 def _fake_feature_args(features: Features) -> tuple:
     """The arguments every main kernel takes after its tensors and scales (before the stream):
-    cu_seqlens_q, cu_seqlens_k (int32 (batch + 1,), varlen only), the ALiBi slopes (fp32 (batch,
+    cu_seqlens_q, cu_seqlens_k (int32 (batch + 1,), varlen only), the keys used per sequence
+    (int32 (batch,): varlen's seqused_k, a KV cache's cache_seqlens), the ALiBi slopes (fp32 (batch,
     heads) with any batch stride, ALiBi only), the longest sequence of the grid's direction
     (max_seqlen_q forward, max_seqlen_k backward: the grid of a varlen batch), the window edges
     and softmax_scale / softcap. Disabled features get None: compiled out, passed as None."""
@@ -285,19 +286,23 @@ def _fake_feature_args(features: Features) -> tuple:
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    cu_q = cu_k = slopes = None
+    assert not features.seqused or features.varlen, "seqused_k is a varlen option"
+    cu_q = cu_k = seqused = slopes = None
     if features.varlen:
         batch_plus_1 = cute.sym_int()
         cu_q, cu_k = (make_fake_tensor(cutlass.Int32, (batch_plus_1,), stride=(1,), assumed_align=4) for _ in range(2))
+    if features.seqused_k:
+        seqused = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     if features.alibi:
         slopes = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
                                   assumed_align=4)
-    return (cu_q, cu_k, slopes, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
+    return (cu_q, cu_k, seqused, slopes, cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0))
 
 
 def _fake_decode_args(features: Features) -> tuple:
     """What the SM80 forward takes after ``_fake_feature_args`` (before the stream): the KV cache's
-    cache_seqlens, cache_leftpad, cache_batch_idx ((batch,) int32, kvcache only), the block table
+    cache_leftpad, cache_batch_idx ((batch,) int32, kvcache only; its cache_seqlens are the feature
+    args' keys used per sequence), the block table
     ((batch, max_pages) int32, paged only), the split-KV accumulators (O (splits, batch, seqlen_q,
     heads, d) and LSE (splits, batch, heads, seqlen_q) fp32, contiguous; split only) and num_splits."""
     import cutlass
@@ -305,10 +310,10 @@ def _fake_decode_args(features: Features) -> tuple:
     from cutlass.cute.runtime import make_fake_tensor
 
     sym, sym64 = cute.sym_int, cute.sym_int64
-    per_seq = (None, None, None)
+    per_seq = (None, None)
     if features.kvcache:
         batch = sym()
-        per_seq = tuple(make_fake_tensor(cutlass.Int32, (batch,), stride=(1,), assumed_align=4) for _ in range(3))
+        per_seq = tuple(make_fake_tensor(cutlass.Int32, (batch,), stride=(1,), assumed_align=4) for _ in range(2))
     table = None
     if features.paged:
         table = make_fake_tensor(cutlass.Int32, (sym(), sym()), stride=(sym64(), 1), assumed_align=4)

@@ -130,7 +130,7 @@ def _window(window_size) -> tuple[int, int]:
 
 
 def _score_options(causal, softmax_scale, head_dim: int, window_size=(-1, -1), softcap=0.0, alibi: bool = False,
-                   varlen: bool = False) -> _Scores:
+                   varlen: bool = False, seqused: bool = False) -> _Scores:
     """Validate the options and map them onto a kernel, FlashAttention-2's way: causal sets the
     window's right edge to 0; a window of (-1, 0) is causal attention; (-1, -1) none."""
     if not isinstance(causal, bool):
@@ -145,7 +145,7 @@ def _score_options(causal, softmax_scale, head_dim: int, window_size=(-1, -1), s
         right = 0
     kernel_causal = left < 0 and right == 0
     local = (left >= 0 or right >= 0) and not kernel_causal
-    features = Features(local=local, softcap=softcap > 0, alibi=alibi, varlen=varlen)
+    features = Features(local=local, softcap=softcap > 0, alibi=alibi, varlen=varlen, seqused=seqused)
     if softcap > 0:
         scale_log2, softcap_scale = softcap * math.log2(math.e), scale / softcap
     else:
@@ -201,6 +201,23 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if n < 0:
             raise ValueError(f"{name} must be >= 0, got {n}")
     return cu_seqlens_q.numel() - 1
+
+
+def _check_seqused_k(seqused_k, batch: int, q: torch.Tensor) -> None:
+    """FlashAttention-3's seqused_k: int32 (batch,) on q's device. Not checked (a host sync): each
+    value between 0 and its sequence's length in cu_seqlens_k."""
+    if seqused_k is None:
+        return
+    if not isinstance(seqused_k, torch.Tensor):
+        raise TypeError(f"seqused_k must be a torch.Tensor or None, got {type(seqused_k).__name__}")
+    if seqused_k.dtype != torch.int32:
+        raise TypeError(f"seqused_k must be int32, got {seqused_k.dtype}")
+    if tuple(seqused_k.shape) != (batch,):
+        raise ValueError(f"seqused_k must have shape (batch,) = ({batch},), got {tuple(seqused_k.shape)}")
+    if seqused_k.device != q.device:
+        raise ValueError(f"seqused_k must be on {q.device}, got {seqused_k.device}")
+    if batch > 1 and seqused_k.stride(0) != 1:
+        raise ValueError(f"seqused_k must be contiguous, got stride {seqused_k.stride()}")
 
 
 # ---------------------------------------------------------------------------- forward
@@ -281,7 +298,7 @@ def _underfilled(q, k) -> bool:
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                    causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
-                   softcap: float = 0.0, alibi_slopes=None, out=None, return_lse: bool = False):
+                   softcap: float = 0.0, alibi_slopes=None, seqused_k=None, out=None, return_lse: bool = False):
     """``forward`` over a batch of sequences of different lengths, packed without padding
     (FlashAttention's varlen layout): q (total_q, heads, head_dim), k/v (total_k, heads_kv,
     head_dim); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and
@@ -289,21 +306,26 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     the longest sequence (an int; it sizes the grid). Options as ``forward`` (causal, the window
     and ALiBi's distances are per sequence; alibi_slopes (heads,) or (batch, heads)). Returns out
     (total_q, heads, head_dim) and, with ``return_lse``, lse (heads, total_q). A sequence may be
-    empty. Not checked (a host sync): cu_seqlens nondecreasing from 0 to the totals, max_seqlen
-    at least the longest sequence; rows past cu_seqlens_q[-1] are not written.
+    empty. ``seqused_k`` (FlashAttention-3's; int32 (batch,)): sequence b attends to its first
+    seqused_k[b] keys only, and the causal alignment, the window and ALiBi count that many keys
+    (as FlashAttention-3 does). Not checked (a host sync): cu_seqlens
+    nondecreasing from 0 to the totals, max_seqlen at least the longest sequence, seqused_k
+    within each sequence's keys; rows past cu_seqlens_q[-1] are not written.
     """
     if torch.compiler.is_compiling() and out is None:
         from cute_attn.integrations import custom_ops as ops
 
         out, lse = ops.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, False, *_op_window(window_size), float(softcap), alibi_slopes)
+                                  softmax_scale, False, *_op_window(window_size), float(softcap), alibi_slopes,
+                                  seqused_k)
         return (out, lse) if return_lse else out
     batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     _check_qkv(q4, k4, v4)
+    _check_seqused_k(seqused_k, batch, q)
     total_q, heads, head_dim = q.shape
     opts = _score_options(causal, softmax_scale, head_dim, window_size, softcap, alibi_slopes is not None,
-                          varlen=True)
+                          varlen=True, seqused=seqused_k is not None)
     slopes = _alibi_slopes(alibi_slopes, batch, heads, q.device)
     if out is not None:
         _check_out("out", out, q, shape=tuple(q.shape))
@@ -318,7 +340,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
         lse.fill_(math.inf)
     else:
         launch = _forward_launcher(q4, k4, opts, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        launch(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, slopes)
+        launch(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, slopes, seqused_k)
     return (out, lse) if return_lse else out
 
 
@@ -366,7 +388,7 @@ def _launch_forward(q, k, v, out, lse, causal: bool, scale: float, traits=None) 
 
 def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """The launch for validated tensors shaped like q, k (varlen: batch 1, packed): a function
-    of (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)."""
+    of (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes[, seqused_k])."""
     plan = dispatch.plan_for_device(q.device)
     key = compile_mod.forward_key(
         plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], opts.causal, plan.smem_capacity, traits=traits,
@@ -386,9 +408,10 @@ def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, m
         extra = (plan.num_sms, section)
     scalars = opts.kernel_scalars(max_seqlen_q)
 
-    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         with torch.cuda.device(device):
-            kernel(q, k, v, out, lse, scale_log2, *extra, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *scalars)
+            kernel(q, k, v, out, lse, scale_log2, *extra, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
+                   *scalars)
 
     return launch
 
@@ -550,7 +573,7 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
             o_accum = torch.empty((num_splits, batch, seqlen_q, heads, head_dim), **f32)
             lse_accum = torch.empty((num_splits, batch, heads, seqlen_q), **f32)
         with torch.cuda.device(device):
-            kernel(q, k, v, out, lse, scale_log2, None, None, alibi_slopes, *scalars, seqused, leftpad, batch_idx,
+            kernel(q, k, v, out, lse, scale_log2, None, None, seqused, alibi_slopes, *scalars, leftpad, batch_idx,
                    table, o_accum, lse_accum, num_splits)
             if split:
                 combine(o_accum, lse_accum, out, lse)
@@ -632,26 +655,31 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                     causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
-                    softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, dq=None, dk=None, dv=None):
+                    softcap: float = 0.0, alibi_slopes=None, seqused_k=None, deterministic: bool = False, dq=None,
+                    dk=None, dv=None):
     """``backward`` for ``varlen_forward``: dout/q/out (total_q, heads, head_dim), k/v (total_k,
-    heads_kv, head_dim), lse (heads, total_q); returns (dq, dk, dv) shaped like q, k, v."""
+    heads_kv, head_dim), lse (heads, total_q); returns (dq, dk, dv) shaped like q, k, v (with
+    seqused_k, the rows of the keys no sequence uses get zero dk and dv)."""
     batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     _check_qkv(q4, k4, v4)
+    _check_seqused_k(seqused_k, batch, q)
     _check_like("out", out, q)
     _check_like("dout", dout, q)
     _check_lse(lse, q4, shape=(q.shape[1], q.shape[0]))
     opts = _score_options(causal, softmax_scale, q.shape[2], window_size, softcap, alibi_slopes is not None,
-                          varlen=True)
+                          varlen=True, seqused=seqused_k is not None)
     slopes = _alibi_slopes(alibi_slopes, batch, q.shape[1], q.device)
     dq, dk, dv = _gradient_buffers(q, k, v, dq, dk, dv, deterministic)
+    if seqused_k is not None:  # the kernels write the used keys' rows only
+        dk.zero_(), dv.zero_()
     if q.numel() == 0 or k.numel() == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv
     launch = _backward_launcher(q4, k4, opts, deterministic, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                 batch=batch)
     launch(dout.unsqueeze(0), q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), dq.unsqueeze(0), dk.unsqueeze(0),
-           dv.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, slopes)
+           dv.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, slopes, seqused_k)
     return dq, dk, dv
 
 
@@ -686,14 +714,14 @@ def _backward_keys(plan, q, opts: _Scores, deterministic: bool, traits=None):
 
 
 def _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes,
-                       varlen: bool = False) -> None:
+                       varlen: bool = False, seqused: bool = False) -> None:
     """An autograd forward's backward will follow: have its kernels compiled meanwhile, beside the
     forward's own first compile (in a background process when the disk cache is on,
     compile.KernelCache.prefetch), so the first backward loads them. Called before the forward
     (which validates everything): a bad option is left for the forward to report."""
     try:
         opts = _score_options(causal, softmax_scale, q.shape[-1], window_size, softcap, alibi_slopes is not None,
-                              varlen=varlen)
+                              varlen=varlen, seqused=seqused)
         if not q.is_cuda or q.dtype not in _DTYPE_NAMES:
             return
         pre, main = _backward_keys(dispatch.plan_for_device(q.device), q.unsqueeze(0) if varlen else q, opts,
@@ -708,7 +736,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
                        max_seqlen_k: int = 0, batch: int | None = None):
     """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
     and ``batch`` sequences): a function of (dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q,
-    cu_seqlens_k, alibi_slopes)."""
+    cu_seqlens_k, alibi_slopes[, seqused_k])."""
     from cute_attn.traits import BACKWARD_ROW_PAD as ROW_PAD
     from cute_attn.traits import varlen_padded_rows
 
@@ -737,7 +765,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     scale, scale_log2 = opts.scale, opts.scale_log2
     scalars = opts.kernel_scalars(max_seqlen_k)
 
-    def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         lse_log2 = torch.empty((q.shape[0], heads, rows_pad), **f32)
         delta = torch.empty((q.shape[0], heads, rows_pad), **f32)
         dq_accum = torch.empty((q.shape[0], heads, rows_pad, head_dim), **f32)  # zeroed by the preprocess
@@ -748,7 +776,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
         with torch.cuda.device(device):
             kernels[0](out, dout, lse, lse_log2, delta, dq_accum, cu_seqlens_q, max_seqlen_q)
             kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, sem, scale, scale_log2,
-                       cu_seqlens_q, cu_seqlens_k, alibi_slopes, *scalars)
+                       cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, *scalars)
             kernels[2](dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q)
 
     return launch
@@ -791,15 +819,16 @@ class VarlenFlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                deterministic, window_size, softcap, alibi_slopes):
-        _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes, varlen=True)
+                deterministic, window_size, softcap, alibi_slopes, seqused_k):
+        _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes, varlen=True,
+                           seqused=seqused_k is not None)
         out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                                  alibi_slopes=alibi_slopes, return_lse=True)
+                                  alibi_slopes=alibi_slopes, seqused_k=seqused_k, return_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.lengths = (max_seqlen_q, max_seqlen_k)
         ctx.options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                           alibi_slopes=alibi_slopes, deterministic=deterministic)
+                           alibi_slopes=alibi_slopes, seqused_k=seqused_k, deterministic=deterministic)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -809,7 +838,7 @@ class VarlenFlashAttnFunc(torch.autograd.Function):
         dq, dk, dv = varlen_backward(_grad_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
                                      **ctx.options)
         needs = ctx.needs_input_grad
-        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 10
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 11
 
 
 def _check_fa2_options(dropout_p, return_attn_probs, deterministic) -> None:
@@ -863,24 +892,28 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                            dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                            window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                           deterministic: bool = False, return_attn_probs: bool = False, *, return_lse: bool = False):
+                           deterministic: bool = False, return_attn_probs: bool = False, *, seqused_k=None,
+                           return_lse: bool = False):
     """``varlen_forward`` with autograd, with FlashAttention-2's signature and positional order:
     q (total_q, heads, head_dim), k/v (total_k, heads_kv, head_dim), cu_seqlens_q/k int32
-    (batch + 1,) on the device, max_seqlen_q/k ints. Returns out (total_q, heads, head_dim); the
-    lse (heads, total_q) with ``return_attn_probs`` ((out, lse, None)) or ``return_lse``."""
+    (batch + 1,) on the device, max_seqlen_q/k ints; keyword ``seqused_k`` as FlashAttention-3's
+    (int32 (batch,): the keys each sequence attends to). Returns out (total_q, heads, head_dim);
+    the lse (heads, total_q) with ``return_attn_probs`` ((out, lse, None)) or ``return_lse``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _check_fa2_options(dropout_p, return_attn_probs, deterministic)
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_seqused_k(seqused_k, batch, q)
     _score_options(causal, softmax_scale, q.shape[2], window_size, softcap)
     if torch.compiler.is_compiling():
         from cute_attn.integrations import custom_ops as ops
 
         scale = None if softmax_scale is None else float(softmax_scale)
         out, lse = ops.fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                  deterministic, *window_size, float(softcap), alibi_slopes)
+                                  deterministic, *window_size, float(softcap), alibi_slopes, seqused_k)
     else:
         out, lse = VarlenFlashAttnFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                             softmax_scale, deterministic, tuple(window_size), softcap, alibi_slopes)
+                                             softmax_scale, deterministic, tuple(window_size), softcap, alibi_slopes,
+                                             seqused_k)
     return _returned(out, lse, return_attn_probs, return_lse)

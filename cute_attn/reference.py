@@ -151,13 +151,17 @@ def attention_varlen_reference(
     """Variable-length batches, FlashAttention's varlen layout: q (total_q, heads, d), k/v
     (total_k, heads_kv, d); sequence b holds rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, batch + 1
     entries). Returns out like q and lse (heads, total_q). ``options``: as ``attention_reference``
-    (alibi_slopes of shape (batch, heads) give sequence b its row)."""
+    (alibi_slopes of shape (batch, heads) give sequence b its row), and ``seqused_k`` (batch,):
+    sequence b attends to its first seqused_k[b] keys only (FlashAttention-3)."""
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
     slopes = options.pop("alibi_slopes", None)
+    seqused_k = options.pop("seqused_k", None)
     for b in range(len(cu_seqlens_q) - 1):
         q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         k0, k1 = int(cu_seqlens_k[b]), int(cu_seqlens_k[b + 1])
+        if seqused_k is not None:
+            k1 = k0 + int(seqused_k[b])
         if q1 == q0:
             continue
         sequence_slopes = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes

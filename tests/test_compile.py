@@ -55,7 +55,14 @@ def _keys(all_variants):
     ] + [forward_key("sm_90a", "bf16", 128, False, kernel="sm90", seqlen=8192)] + [  # K/V multicast
         # KV-cache decode: the SM80-family kernel with its decode traits on every target
         forward_key(t, dt, d, c, kernel="sm90", features=f, page_size=page) for t, dt, d, c, f, page in DECODE_SUBSET
+    ] + [  # varlen with seqused_k and the other score features, both families
+        forward_key("sm_90a", "bf16", 128, True, kernel="sm90", features=VARLEN_ALL),
+        forward_key("sm_80", "fp16", 64, False, features=VARLEN_ALL),
     ]
+
+
+# varlen + seqused_k + window + softcap + ALiBi in one kernel
+VARLEN_ALL = Features(varlen=True, seqused=True, local=True, softcap=True, alibi=True)
 
 
 DECODE_SUBSET = [  # (target, dtype, head_dim, causal, features, page size): a paged packed split cache,
@@ -83,6 +90,8 @@ def _bwd_keys(all_variants):
         for t in TARGETS for d, dt, c, det in BWD_SUBSET
         for k in backward_variants([t], [d], [dt], [c], [det])
     }
+    for t, d in (("sm_90a", 128), ("sm_80", 64)):  # varlen + seqused_k + the score features
+        keys.update(dict.fromkeys(backward_variants([t], [d], ["bf16"], [True], [False], features=[VARLEN_ALL])))
     return list(keys)
 
 

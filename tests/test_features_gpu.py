@@ -139,10 +139,14 @@ def check_varlen(q, k, v, cu_q, cu_k, causal, options, case, deterministic=False
     cute_attn.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
                               deterministic=deterministic, dq=dq, dk=dk, dv=dv, **options)
     slopes = options.get("alibi_slopes")
+    seqused = options.get("seqused_k")
     for b in range(len(lq)):
         q0, q1, k0, k1 = cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()
+        if seqused is not None:  # the keys past seqused_k[b]: no part in the output, zero gradients
+            end, k1 = k1, k0 + seqused[b].item()
+            assert not dk[k1:end].any() and not dv[k1:end].any(), f"{case} seq {b}: unused keys got gradients"
         seq_case = f"{case} seq {b} (sq={q1 - q0}, sk={k1 - k0})"
-        opts = dict(options)
+        opts = {name: value for name, value in options.items() if name != "seqused_k"}
         if slopes is not None and slopes.dim() == 2:
             opts["alibi_slopes"] = slopes[b]
         qs, ks, vs, dos = q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1]
@@ -190,6 +194,50 @@ def test_varlen_deterministic_is_bitwise_repeatable():
     again = cute_attn.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, deterministic=True, **options)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+# FlashAttention-3's seqused_k: keys used per sequence, at most LENGTHS_K (0, all, some)
+SEQUSED_K = [3, 0, 100, 127, 0, 517, 129, 1]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_seqused_k(causal):
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 6, 2, 128, torch.bfloat16)
+    used = torch.tensor(SEQUSED_K, dtype=torch.int32, device="cuda")
+    check_varlen(q, k, v, cu_q, cu_k, causal, {"seqused_k": used}, f"varlen seqused_k causal={causal}")
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_varlen_seqused_k_window_softcap_alibi(head_dim):
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 4, 4, head_dim, torch.float16)
+    options = _options(dict(softcap=5.0, alibi=True, window_size=(60, 20)), len(LENGTHS_Q), 4)
+    options["seqused_k"] = torch.tensor(SEQUSED_K, dtype=torch.int32, device="cuda")
+    check_varlen(q, k, v, cu_q, cu_k, False, options, f"varlen seqused_k window d={head_dim}", deterministic=True)
+
+
+def test_flash_attn_varlen_func_seqused_k_equals_the_used_keys_alone():
+    """seqused_k gives what the same call on only the used keys gives (and through autograd, zero
+    gradients for the rest)."""
+    q, k, v, cu_q, cu_k = packed([33, 200, 1], [40, 300, 7], 4, 2, 64, torch.bfloat16)
+    used = torch.tensor([40, 123, 0], dtype=torch.int32, device="cuda")
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out = cute_attn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 300, causal=True, seqused_k=used)
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    keep = torch.cat([torch.arange(0, 40), torch.arange(40, 163)]).cuda()
+    cu_used = torch.tensor([0, 40, 163, 163], dtype=torch.int32, device="cuda")
+    k2, v2 = (t.detach()[keep].requires_grad_(True) for t in (k, v))
+    q2 = q.detach().clone().requires_grad_(True)
+    out2 = cute_attn.flash_attn_varlen_func(q2, k2, v2, cu_q, cu_used, 200, 123, causal=True)
+    dq2, dk2, dv2 = torch.autograd.grad(out2, (q2, k2, v2), dout)
+    check_close("out", out.detach(), out2.detach(), out2.detach(), 1e-6, "seqused_k vs used keys")
+    # the gradients within fp32 atomics' summation order
+    torch.testing.assert_close(dq, dq2, atol=2e-2, rtol=0)
+    for name, full, alone in (("dk", dk, dk2), ("dv", dv, dv2)):
+        torch.testing.assert_close(full[keep], alone, atol=2e-2, rtol=0)
+        rest = torch.ones(full.shape[0], dtype=torch.bool, device="cuda")
+        rest[keep] = False
+        assert not full[rest].any(), f"{name}: unused keys got gradients"
 
 
 def test_flash_attn_varlen_func_autograd_and_fa2_positional_order():

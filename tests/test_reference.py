@@ -550,3 +550,20 @@ def test_kvcache_reference_rejects_fa2_invalid_combinations():
         attention_kvcache_reference(q, k_cache, v_cache, k, v)  # appending needs cache_seqlens
     with pytest.raises(ValueError):
         attention_kvcache_reference(q, k_cache, v_cache, k, None, cache_seqlens=idx)
+
+
+def test_varlen_reference_seqused_k_is_the_used_keys_alone():
+    from cute_attn.reference import attention_varlen_reference
+
+    torch.manual_seed(4)
+    lens_q, lens_k, used = [5, 3, 4], [5, 6, 7], [2, 0, 7]
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+    q, k, v = torch.randn(12, 2, 8), torch.randn(18, 2, 8), torch.randn(18, 2, 8)
+    out, lse = attention_varlen_reference(q, k, v, cu_q, cu_k, True, seqused_k=torch.tensor(used, dtype=torch.int32))
+    keep = torch.cat([torch.arange(0, 2), torch.arange(11, 18)])
+    cu_used = torch.tensor([0, 2, 2, 9], dtype=torch.int32)
+    alone, alone_lse = attention_varlen_reference(q, k[keep], v[keep], cu_q, cu_used, True)
+    torch.testing.assert_close(out, alone)
+    torch.testing.assert_close(lse, alone_lse)
+    assert torch.isinf(lse[:, 5:8]).all() and not out[5:8].any()  # no keys used: out 0, lse +inf

@@ -315,6 +315,17 @@ def test_varlen_bad_inputs():
     # ALiBi per sequence: (batch, heads) with batch = len(cu_seqlens) - 1
     varlen_raises(ValueError, r"alibi_slopes must have shape \(4,\) or \(3, 4\)", alibi_slopes=torch.ones(2, 4))
     varlen_raises(ValueError, "q must be a CUDA tensor", alibi_slopes=torch.ones(3, 4))
+    # FlashAttention-3's seqused_k: int32 (batch,) on q's device
+    used = torch.tensor([7, 0, 5], dtype=torch.int32)
+    varlen_raises(TypeError, "seqused_k must be a torch.Tensor", seqused_k=[7, 0, 5])
+    varlen_raises(TypeError, "seqused_k must be int32", seqused_k=used.long())
+    varlen_raises(ValueError, r"seqused_k must have shape \(batch,\) = \(3,\)", seqused_k=used[:2])
+    varlen_raises(ValueError, "seqused_k must be on", seqused_k=used.to("meta"))
+    varlen_raises(ValueError, "seqused_k must be contiguous", seqused_k=torch.zeros(6, dtype=torch.int32)[::2])
+    varlen_raises(ValueError, "q must be a CUDA tensor", seqused_k=used)
+    with pytest.raises(TypeError, match="seqused_k must be int32"):
+        cute_attn.flash_attn_varlen_func(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], 11, 11,
+                                         seqused_k=used.float())
 
 
 def test_varlen_backward_checks_lse_shape():

@@ -82,14 +82,16 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 def fwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                softmax_scale: float | None, deterministic: bool, window_left: int = -1, window_right: int = -1,
-               softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+               seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return interface.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=True,
+                                    seqused_k=seqused_k,
                                     **_options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes))
 
 
 @fwd_varlen.register_fake
 def _fwd_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     deterministic, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                     deterministic, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, seqused_k=None):
     total_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((heads, total_q), dtype=torch.float32)
 
@@ -99,16 +101,18 @@ def bwd_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int, causal: bool, softmax_scale: float | None, deterministic: bool,
                window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-               alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               alibi_slopes: torch.Tensor | None = None,
+               seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return interface.varlen_backward(interface._grad_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                     max_seqlen_q, max_seqlen_k, deterministic=deterministic,
+                                     max_seqlen_q, max_seqlen_k, deterministic=deterministic, seqused_k=seqused_k,
                                      **_options(causal, softmax_scale, window_left, window_right, softcap,
                                                 alibi_slopes))
 
 
 @bwd_varlen.register_fake
 def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                     softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                     softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                     seqused_k=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -124,7 +128,7 @@ def _backward_varlen(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv = bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, *ctx.options)
     needs = ctx.needs_input_grad
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 11
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 12
 
 
 fwd_varlen.register_autograd(_backward_varlen, setup_context=_setup_varlen_context)

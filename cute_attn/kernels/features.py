@@ -9,6 +9,8 @@ kernel arguments, so a new value never compiles.
 - ``softcap``: scores = softcap * tanh(scores / softcap) (mask.apply_softcap).
 - ``alibi``: the bias -slope * |i + seqlen_k - seqlen_q - j| per head (and batch).
 - ``varlen``: packed sequences delimited by cu_seqlens_q / cu_seqlens_k (seqlen_info).
+- ``seqused``: varlen with FlashAttention-3's ``seqused_k``: sequence b attends to its first
+  seqused_k[b] keys only (an int32 (batch,) tensor; the rest of its K/V rows are ignored).
 
 KV-cache decode (SM80-family forward only; interface.flash_attn_with_kvcache):
 - ``kvcache``: per-sequence key counts, first key rows and cache batch rows come from int32
@@ -29,6 +31,7 @@ class Features:
     softcap: bool = False
     alibi: bool = False
     varlen: bool = False
+    seqused: bool = False
     kvcache: bool = False
     paged: bool = False
     split: bool = False
@@ -40,12 +43,18 @@ class Features:
         return "".join(f"_{name}" for name in FEATURE_NAMES if getattr(self, name))
 
     @property
+    def seqused_k(self) -> bool:
+        """Whether the kernel reads per-sequence key counts (``mSeqUsedK``): varlen's seqused_k or
+        a KV cache's cache_seqlens."""
+        return self.seqused or self.kvcache
+
+    @property
     def decode(self) -> bool:
         """Any of the KV-cache decode features (which only the SM80-family forward has)."""
         return self.kvcache or self.paged or self.split or self.pack_gqa
 
 
-FEATURE_NAMES = ("local", "softcap", "alibi", "varlen", "kvcache", "paged", "split", "pack_gqa")
+FEATURE_NAMES = ("local", "softcap", "alibi", "varlen", "seqused", "kvcache", "paged", "split", "pack_gqa")
 NO_FEATURES = Features()
 
 

@@ -12,9 +12,11 @@ Q blocks, so in varlen each sequence starts there at a row padded to ``VARLEN_RO
 disjoint whole blocks of every tile_m dividing PAD, and the buffers hold
 ``total_q + batch * PAD`` rows (rounded up to PAD) (``varlen_padded_rows``).
 
-KV caches (the ``kvcache`` feature, dense batches only): sequence b's keys are rows
-cache_leftpad[b] : cache_seqlens[b] of cache batch row cache_batch_idx[b]; all three are (batch,)
-int32 tensors (``mSeqUsedK``, ``mLeftPadK``, ``mKVBatchIdx``).
+Per-sequence key counts (``mSeqUsedK``, (batch,) int32): in varlen, FlashAttention-3's seqused_k
+(sequence b attends to rows cu_seqlens_k[b] : cu_seqlens_k[b] + seqused_k[b]); in a KV cache (the
+``kvcache`` feature, dense batches only) sequence b's keys are rows cache_leftpad[b] :
+cache_seqlens[b] of cache batch row cache_batch_idx[b] (``mSeqUsedK``, ``mLeftPadK``,
+``mKVBatchIdx``).
 
 ``SeqlenInfo`` is read once per tile by every kernel; a dense kernel gets plain Python zeros for
 the offsets, so its code is what it was before varlen existed.
@@ -49,7 +51,9 @@ class SeqlenInfo:
             self.tensor_batch = batch
         self.kv_batch = self.tensor_batch  # K/V's batch index
         self.shift_k = self.varlen
-        if const_expr(mSeqUsedK is not None):  # a KV cache (dense batch)
+        if const_expr(self.varlen and mSeqUsedK is not None):  # seqused_k: the keys used
+            self.seqlen_k = mSeqUsedK[batch]
+        elif const_expr(mSeqUsedK is not None):  # a KV cache (dense batch)
             self.offset_k = mLeftPadK[batch]
             self.seqlen_k = mSeqUsedK[batch] - self.offset_k
             self.kv_batch = mKVBatchIdx[batch]

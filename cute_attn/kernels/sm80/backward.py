@@ -233,6 +233,7 @@ class FlashAttentionBackwardSm80:
         softmax_scale_log2: Float32,  # softcap: softcap * log2(e)
         mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
         mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,  # seqused: (batch,) int32, the keys each sequence attends to
         mAlibiSlopes: cute.Tensor | None,  # ALiBi: (batch, heads) fp32
         max_seqlen_k: Int32,  # varlen: the longest sequence of keys (the grid)
         window_left: Int32,  # local: the window's edges (an unbounded side is huge)
@@ -274,7 +275,7 @@ class FlashAttentionBackwardSm80:
         batch = mCuSeqlensQ.shape[0] - 1 if varlen else mK.shape[0]
         self.kernel(
             mQ, mK, mV, mdO, mLSE_log2, mD, mdQ_accum, mdK, mdV, mSemaphore, softmax_scale, softmax_scale_log2,
-            mCuSeqlensQ, mCuSeqlensK, mAlibiSlopes, window_left, window_right, softcap_scale,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left, window_right, softcap_scale,
             sQ_layout, sKV_layout, sPdS_layout, sRow_layout, copy_load, copy_store, copy_row,
             mma_sdp, mma_dkv, mma_dq, SharedStorage,
         ).launch(
@@ -302,6 +303,7 @@ class FlashAttentionBackwardSm80:
         softmax_scale_log2: Float32,
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
         mAlibiSlopes: cute.Tensor | None,
         window_left: Int32,
         window_right: Int32,
@@ -320,7 +322,7 @@ class FlashAttentionBackwardSm80:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
-        seq = SeqlenInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK)
+        seq = SeqlenInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         tile = partial(
             self._tile, mQ, mK, mV, mdO, mLSE_log2, mD, mdQ_accum, mdK, mdV, mSemaphore, softmax_scale,
             softmax_scale_log2, mAlibiSlopes, window_left, window_right, softcap_scale,

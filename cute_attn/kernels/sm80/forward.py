@@ -97,12 +97,13 @@ class FlashAttentionForwardSm80:
         softmax_scale_log2: Float32,
         mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
         mCuSeqlensK: cute.Tensor | None,
+        # seqused: (batch,) int32, each sequence's keys; kvcache: one past each sequence's last key row
+        mSeqUsedK: cute.Tensor | None,
         mAlibiSlopes: cute.Tensor | None,  # ALiBi: (batch, heads) fp32
         max_seqlen_q: Int32,  # varlen: the longest sequence (the grid)
         window_left: Int32,  # local: the window's edges (an unbounded side is huge)
         window_right: Int32,
         softcap_scale: Float32,  # softcap: softmax_scale / softcap
-        mSeqUsedK: cute.Tensor | None,  # kvcache: (batch,) int32, one past each sequence's last key row
         mLeftPadK: cute.Tensor | None,  # kvcache: (batch,) int32, each sequence's first key row
         mKVBatchIdx: cute.Tensor | None,  # kvcache: (batch,) int32, each sequence's K/V batch row
         mBlockTable: cute.Tensor | None,  # paged: (batch, max_pages) int32; K/V (pages, page_size, heads_kv, d)

@@ -182,6 +182,7 @@ class FlashAttentionBackwardSm90:
         softmax_scale_log2: Float32,  # softcap: softcap * log2(e)
         mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
         mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,  # seqused: (batch,) int32, the keys each sequence attends to
         mAlibiSlopes: cute.Tensor | None,  # ALiBi: (batch, heads) fp32
         max_seqlen_k: Int32,  # varlen: the longest sequence's keys (the grid)
         window_left: Int32,  # local: the window's edges (an unbounded side is huge)
@@ -236,7 +237,7 @@ class FlashAttentionBackwardSm90:
 
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE_log2, mD, mdQ_accum, mSemaphore,
-            softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mAlibiSlopes, window_left, window_right,
+            softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left, window_right,
             softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
             sQ_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
         ).launch(
@@ -266,6 +267,7 @@ class FlashAttentionBackwardSm90:
         softmax_scale_log2: Float32,
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
         mAlibiSlopes: cute.Tensor | None,
         window_left: Int32,
         window_right: Int32,
@@ -323,7 +325,7 @@ class FlashAttentionBackwardSm90:
         # the window's edges only where the kernel has one (None: compiled out)
         window_left = window_left if const_expr(self.features.local) else None
         window_right = window_right if const_expr(self.features.local) else None
-        work = self._work(mQ, mK, mCuSeqlensQ, mCuSeqlensK, window_left, window_right)
+        work = self._work(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right)
         roles = partial(
             self._roles, warp_idx, mQ, mK, mV, mdO, mdK, mdV, mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
             sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
@@ -359,12 +361,12 @@ class FlashAttentionBackwardSm90:
                       softcap_scale, work)
 
     @cute.jit
-    def _work(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, window_left, window_right):
+    def _work(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right):
         """This CTA's K/V block, K/V head and sequence, and the Q blocks it visits: (n_block,
         head_kv, seq, first query head, query heads per K/V head, first Q block, Q blocks per
         head). Every role walks the same (head, Q block) sequence."""
         n_block, head_kv, batch = cute.arch.block_idx()
-        seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         if const_expr(self.causal and self.deterministic):
             # the last K/V blocks first: the order their dQ shares are added in (dq_semaphore_turn)
             n_block = kv_block_of_cta(n_block, self.tile_n, seq.seqlen_k, reverse=True)

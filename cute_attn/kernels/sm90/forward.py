@@ -140,6 +140,7 @@ class FlashAttentionForwardSm90:
         heads_per_section: Int32,  # causal tile order (tile_scheduler): chosen by the host
         mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
         mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,  # seqused: (batch,) int32, the keys each sequence attends to
         mAlibiSlopes: cute.Tensor | None,  # ALiBi: (batch, heads) fp32
         max_seqlen_q: Int32,  # varlen: the longest sequence (the tiles)
         window_left: Int32,  # local: the window's edges (an unbounded side is huge)
@@ -196,7 +197,7 @@ class FlashAttentionForwardSm90:
         qheads_per_kvhead = mQ.shape[2] // mK.shape[2]  # GQA/MQA: K/V are shared, never copied
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, heads_per_section, qheads_per_kvhead,
-            mCuSeqlensQ, mCuSeqlensK, mAlibiSlopes, max_seqlen_q, window_left, window_right, softcap_scale,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, max_seqlen_q, window_left, window_right, softcap_scale,
             atom_Q, atom_K, atom_V, atom_O, sQ_layout, sKV_layout, sO_layout, mma_qk, mma_pv, SharedStorage,
         ).launch(
             grid=(grid, 1, 1),
@@ -221,6 +222,7 @@ class FlashAttentionForwardSm90:
         qheads_per_kvhead: Int32,
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,
         mAlibiSlopes: cute.Tensor | None,
         max_seqlen_q: Int32,
         window_left: Int32,
@@ -280,7 +282,7 @@ class FlashAttentionForwardSm90:
         count_tiles = partial(self._num_tiles, mQ, mCuSeqlensQ, max_seqlen_q)
         coords = partial(self._tile_coords, mQ, mCuSeqlensQ, max_seqlen_q, heads_per_section)
         tiles = partial(
-            self._tile, coords, mQ, mK, mCuSeqlensQ, mCuSeqlensK, qheads_per_kvhead,
+            self._tile, coords, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, qheads_per_kvhead,
             window_left if const_expr(self.features.local) else None,
             window_right if const_expr(self.features.local) else None,
         )
@@ -327,14 +329,15 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def _tile(self, coords, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
-              mCuSeqlensK: cute.Tensor | None, qheads_per_kvhead: Int32, window_left, window_right, tile: Int32):
+              mCuSeqlensK: cute.Tensor | None, mSeqUsedK: cute.Tensor | None, qheads_per_kvhead: Int32, window_left,
+              window_right, tile: Int32):
         """(m_block, head, head_kv, seq, walk) of tile number ``tile``: its sequence (SeqlenInfo)
         and its K/V blocks (block_info.forward_walk: n_block_max, n_masked_right, n_unmasked,
         n_masked_left). At least one block: a Q block that sees no key (causal or local, or a
         sequence without keys) runs one fully masked block and ends with O = 0 and LSE = +inf,
         like any other empty row; the pipelines need no special case."""
         m_block, head, batch = coords(tile)
-        seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK)
+        seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         n_block_max, n_masked_right, n_unmasked, n_masked_left = block_info.forward_walk(
             m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal, window_left, window_right,
             at_least_one=True,
