@@ -302,6 +302,9 @@ def fallback(module, query, key, value, attention_mask, dropout: float, scaling,
         out, probs = masked_softmax_attention(module, query, key, value, mask, dropout, scaling, softcap, s_aux,
                                               kwargs.get("position_bias"))
     else:
+        group = query.shape[1] // key.shape[1]
+        if group > 1 and getattr(module, "num_key_value_groups", None) != group:  # (SDPA's GQA reads it there)
+            key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
         out, probs = sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                                             is_causal=causal, **kwargs)
     if blind is not None:
