@@ -444,3 +444,40 @@ def test_packed_llama_on_cpu(request, path):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), name
     if path == "kernel":
         assert {c["kind"] for c in calls} == {"varlen"} and calls[0]["cu_seqlens_q"] == [0, 7, 19, 24]
+
+
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+def test_value_head_dim_below_query_head_dim(integration, request, path):
+    """MLA-style V narrower than Q/K: V padded up for the kernels (which take one head dim), the
+    output cropped back."""
+    from cute_attn.reference import attention_reference
+
+    if path == "kernel":
+        request.getfixturevalue("kernels_on_cpu")
+    query, key, value = torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 8)
+    out, _ = integration.attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.2)
+    want = attention_reference(*(t.transpose(1, 2) for t in (query, key, value)), True, 0.2)[0]
+    assert out.shape == (2, 9, 4, 8) and torch.allclose(out, want, atol=2e-5)
+
+
+def test_declined_calls_keep_their_semantics(integration, kernels_on_cpu):
+    """Even where the kernels would run: a model's own 4D mask goes to SDPA as it is, sinks and
+    output_attentions through the masked softmax (probabilities returned), dropout to SDPA's."""
+    query, key, value = torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 16)
+    four_d = torch.rand(2, 1, 9, 9) > 0.5
+    four_d |= torch.eye(9, dtype=torch.bool)
+    module = torch.nn.Module()
+    out, _ = integration.attention_forward(module, query, key, value, four_d, scaling=0.3)
+    want = F.scaled_dot_product_attention(query, key, value, attn_mask=four_d, scale=0.3).transpose(1, 2)
+    assert torch.allclose(out, want, atol=1e-5)
+    out, probs = integration.attention_forward(module, query, key, value, None, scaling=0.3, output_attentions=True)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=0.3).transpose(1, 2)
+    assert probs.shape == (2, 4, 9, 9) and torch.allclose(out, want, atol=1e-5)
+    sinks = torch.full((4,), -1e4)  # sinks that take nothing: plain causal attention
+    out, _ = integration.attention_forward(module, query, key, value, None, scaling=0.3, s_aux=sinks)
+    assert torch.allclose(out, want, atol=1e-5)
+    module.train()
+    out, _ = integration.attention_forward(module, query, key, value, None, dropout=0.5, scaling=0.3)
+    assert out.shape == (2, 9, 4, 16) and not torch.allclose(out, want, atol=1e-3)
+    assert kernels_on_cpu == []

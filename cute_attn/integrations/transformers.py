@@ -11,15 +11,18 @@ transformers' flash path takes:
 
 - a padding mask: q/k/v unpadded to packed rows, ``flash_attn_varlen_func``, the output padded back
   (zeros at padded queries); prefill, decoding (one query) and chunked prefill (the last q_len of
-  the mask's columns, left padding) as there. Non-causal calls with q_len != kv_len (cross
-  attention) keep every query and unpad only the keys.
+  the mask's columns, left padding) as there. Keys past the mask (a static cache's unwritten
+  slots) are cut off. Non-causal calls without a window keep every query and unpad only the keys
+  (the mask pads keys only: encoders, cross attention).
 - ``cu_seq_lens_q/k`` and ``max_length_q/k`` (``DataCollatorWithFlattening``): varlen as given.
-- batch 1 with ``position_ids`` that restart (padding-free packing): varlen, one sequence per run of
-  positions.
+- batch 1 with ``position_ids`` that restart (padding-free packing): varlen, a sequence starting
+  wherever the positions return to their minimum.
 - otherwise ``flash_attn_func`` (causal bottom-right aligned, as FlashAttention).
 
 All of them take the module's ``sliding_window`` (window (w - 1, w - 1) once the keys outnumber w),
-``softcap`` (Gemma 2), ``scaling``, GQA without repeating K/V, and autograd (training).
+``softcap`` (Gemma 2), ``scaling`` and causality (``is_causal`` or ``module.is_causal``; one query
+is not causal), GQA without repeating K/V, a V head dim below Q's (padded, the output cropped),
+and autograd (training).
 
 Everything else goes to transformers' SDPA path, so every model works and only the speed differs:
 dropout, attention sinks (``s_aux``), ``position_bias``, paged caches, ``output_attentions``, fp32
