@@ -1,5 +1,9 @@
-"""SDPA's flash backend on cute_attn (cute_attn/integrations/sdpa.py) without a GPU: the
-registration, activation and restore, which calls cute_attn declines, and the fallback (CPU)."""
+"""The integrations without a GPU. SDPA's flash backend (cute_attn/integrations/sdpa.py): the
+registration, activation and restore, which calls cute_attn declines, and the fallback (CPU).
+transformers (cute_attn/integrations/transformers.py): the mask function, the unpadding and packing
+helpers, and attention_forward end to end in fp32 on the CPU, both through its kernel path (cute_attn's
+functions replaced by the float32 reference) and through its fallback, against each sequence's
+attention alone and against tiny models' "eager" attention."""
 
 import pytest
 import torch
@@ -333,6 +337,7 @@ def test_flash_ops_decline_what_cute_attn_lacks(monkeypatch):
     assert [c[0] for c in calls] == ["varlen_backward", "varlen_forward"]  # declined by cute_attn's own checks
 
 
+# ---------------------------------------------------------------------------- transformers
 def tiny_llama(attn_implementation):
     transformers = pytest.importorskip("transformers")
     import cute_attn.integrations.transformers  # noqa: F401  registers "cute_attn"
@@ -344,24 +349,407 @@ def tiny_llama(attn_implementation):
 
 
 def test_transformers_registration_and_fallback_on_cpu():
-    """On the CPU every call goes to transformers' SDPA path: same logits as "sdpa", and the
-    decisions that send a call there."""
+    """On the CPU every call goes to the fallback: same logits as "sdpa", and the decisions that
+    send a call there."""
     from cute_attn.integrations import transformers as integration
 
     model, reference = tiny_llama("cute_attn"), tiny_llama("sdpa")
     assert model.config._attn_implementation == "cute_attn"
     ids = torch.randint(0, 97, (2, 17))
     with torch.no_grad():
-        assert torch.allclose(model(ids).logits, reference(ids).logits)
+        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-5)
     mask = torch.ones(2, 17, dtype=torch.long)
-    mask[0, :5] = 0  # left padding: an explicit mask
+    mask[0, :5] = 0  # left padding
     with torch.no_grad():
-        assert torch.allclose(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
+        got, want = model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits
+    assert torch.allclose(got[mask.bool()], want[mask.bool()], atol=1e-5)
     q = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     decide = integration.declined
-    assert decide(None, q, k, torch.ones(1, 1, 8, 8, dtype=torch.bool), 0.0, {}) == "an explicit attention mask"
+    assert decide(None, q, k, torch.ones(1, 1, 8, 8, dtype=torch.bool), 0.0, {}) == "a 4D attention mask"
     assert decide(None, q, k, None, 0.1, {}) == "attention dropout"
-    assert decide(None, q, k, None, 0.0, {"softcap": 30.0}) == "not a CUDA fp16/bf16 tensor"  # softcap runs
-    assert decide(None, q, k, None, 0.0, {"sliding_window": 4096}) == "sliding_window"
-    assert decide(None, q, k, None, 0.0, {}) == "not a CUDA fp16/bf16 tensor"
+    assert decide(None, q, k, None, 0.0, {"s_aux": torch.zeros(4)}) == "attention sinks (s_aux)"
+    assert decide(None, q, k, None, 0.0, {"position_bias": torch.zeros(1)}) == "position_bias"
+    assert decide(None, q, k, None, 0.0, {"cache": object()}) == "cache"
+    assert decide(None, q, k, None, 0.0, {"output_attentions": True}) == "output_attentions"
+    # padding masks, softcap, sliding windows and packing run; only the device declines here
+    for kwargs in ({"softcap": 30.0}, {"sliding_window": 4096}, {"position_ids": torch.arange(8)[None]}):
+        assert decide(None, q, k, torch.ones(1, 8, dtype=torch.bool), 0.0, kwargs) == "not a CUDA fp16/bf16 tensor"
+    assert decide(None, q.float(), k.float(), None, 0.0, {}) == "not a CUDA fp16/bf16 tensor"
+
+
+@pytest.fixture
+def integration():
+    pytest.importorskip("transformers")
+    from cute_attn.integrations import transformers as integration
+
+    return integration
+
+
+@pytest.fixture
+def kernels_on_cpu(integration, monkeypatch):
+    """attention_forward's kernel path on the CPU: fp32 CPU tensors accepted, and cute_attn's
+    flash_attn_func / flash_attn_varlen_func replaced by the float32 reference (after the argument
+    checks the kernels make). Yields the list of calls made."""
+    from cute_attn.reference import attention_reference, attention_varlen_reference
+
+    calls = []
+
+    def dense(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+        assert q.dim() == k.dim() == 4 and k.shape == v.shape and q.shape[3] == k.shape[3] and dropout_p == 0.0
+        calls.append(dict(kind="dense", causal=causal, window_size=window_size, softcap=softcap))
+        return attention_reference(q, k, v, causal, softmax_scale, window_size=window_size, softcap=softcap)[0]
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+               causal=False, window_size=(-1, -1), softcap=0.0):
+        assert q.dim() == k.dim() == 3 and k.shape == v.shape and q.shape[2] == k.shape[2] and dropout_p == 0.0
+        for cu, total, longest in ((cu_seqlens_q, q.shape[0], max_seqlen_q), (cu_seqlens_k, k.shape[0], max_seqlen_k)):
+            assert cu.dtype == torch.int32 and cu.device == q.device and cu.is_contiguous()
+            assert type(longest) is int and cu[0] == 0 and cu[-1] == total and (cu.diff() >= 0).all()
+            assert longest == int(cu.diff().max())
+        calls.append(dict(kind="varlen", causal=causal, window_size=window_size, softcap=softcap,
+                          cu_seqlens_q=cu_seqlens_q.tolist(), cu_seqlens_k=cu_seqlens_k.tolist()))
+        return attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
+                                          window_size=window_size, softcap=softcap)[0]
+
+    monkeypatch.setattr(cute_attn, "flash_attn_func", dense)
+    monkeypatch.setattr(cute_attn, "flash_attn_varlen_func", varlen)
+    monkeypatch.setattr(integration, "_DTYPES", (torch.float32,))
+    monkeypatch.setattr(integration, "_DEVICES", ("cpu",))
+    return calls
+
+
+def test_unpad_and_pad_back(integration):
+    mask = torch.rand(4, 11) > 0.4
+    mask[0] = True
+    mask[1, :4], mask[1, 4:] = False, True  # left padding
+    mask[2, :7], mask[2, 7:] = True, False  # right padding
+    mask[3] = False  # nothing kept
+    indices, cu_seqlens, longest = integration.unpad_indices(mask.long())
+    assert torch.equal(indices, torch.arange(44)[mask.reshape(-1)])
+    lengths = mask.sum(1)
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0] + lengths.cumsum(0).tolist()
+    assert longest == int(lengths.max()) and type(longest) is int
+    x = torch.randn(4, 11, 3, 8)
+    rows = integration.gather_rows(x, indices)
+    assert torch.equal(rows, x[mask])
+    assert torch.equal(integration.pad_rows(rows, indices, 4, 11), x * mask[:, :, None, None])
+
+
+@pytest.mark.parametrize("q_len", [11, 1, 4])
+def test_varlen_from_mask_query_lengths(integration, q_len):
+    """q_len == kv_len: the mask's rows; 1 (decoding): one query per sequence; otherwise the mask's
+    last q_len columns (chunked prefill, left padding). Keys past the mask (a static cache's
+    unwritten slots) are dropped."""
+    batch, kv_len = 3, 11
+    mask = torch.ones(batch, kv_len, dtype=torch.bool)
+    mask[1, :5] = False
+    mask[2, :9] = False
+    q = torch.randn(batch, q_len, 4, 8)
+    k, v = torch.randn(batch, kv_len + 5, 2, 8), torch.randn(batch, kv_len + 5, 2, 8)
+    q2, k2, v2, indices_q, cu_q, cu_k, max_q, max_k = integration.varlen_from_mask(q, k, v, mask)
+    assert torch.equal(k2, k[:, :kv_len][mask]) and torch.equal(v2, v[:, :kv_len][mask])
+    assert cu_k.tolist() == [0, 11, 17, 19] and max_k == 11
+    q_rows = torch.ones(batch, 1, dtype=torch.bool) if q_len == 1 else mask[:, -q_len:]
+    assert torch.equal(q2, q[q_rows])
+    assert cu_q.tolist() == [0] + q_rows.sum(1).cumsum(0).tolist() and max_q == int(q_rows.sum(1).max())
+    assert torch.equal(integration.pad_rows(q2, indices_q, batch, q_len), q * q_rows[:, :, None, None])
+    everything = integration.varlen_from_mask(q, k, v, mask, keep_all_queries=True)
+    assert torch.equal(everything[0], q.reshape(-1, 4, 8)) and everything[4].tolist() == [0, q_len, 2 * q_len, 3 * q_len]
+
+
+def test_packed_positions(integration):
+    lengths = [5, 1, 9, 3]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    assert integration.is_packed(positions, 1, 18)
+    cu_seqlens, longest = integration.varlen_from_positions(positions)
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, 5, 6, 15, 18] and longest == 9
+    assert not integration.is_packed(torch.arange(7, 25)[None], 1, 18)  # one sequence after a cache
+    assert not integration.is_packed(positions.expand(2, -1), 2, 18)  # padded batches are not packed
+    assert not integration.is_packed(torch.zeros(1, 1, dtype=torch.long), 1, 1)  # decoding
+    continued = torch.cat([torch.arange(3, 7), torch.arange(5)])[None]  # the first one continues a sequence
+    assert integration.varlen_from_positions(continued)[0].tolist() == [0, 4, 9]
+    assert integration.window_for(None, 100) == (-1, -1)
+    assert integration.window_for(8, 8) == (-1, -1) and integration.window_for(8, 9) == (7, 7)
+
+
+def _per_sequence_reference(q, k, v, q_rows, k_rows, causal, scale, window=(-1, -1), softcap=0.0):
+    """(batch, q_len, heads, d) out: each sequence's kept queries against its kept keys through
+    the float32 reference (zeros at the queries not kept)."""
+    from cute_attn.reference import attention_reference
+
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        if q_rows[b].any():
+            out[b, q_rows[b]] = attention_reference(q[b:b + 1, q_rows[b]], k[b:b + 1, k_rows[b]], v[b:b + 1, k_rows[b]],
+                                                    causal, scale, window_size=window, softcap=softcap)[0][0]
+    return out
+
+
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_len,sliding_window,softcap", [(13, None, None), (13, 4, None), (13, 4, 3.0), (1, 4, None),
+                                                          (5, 3, None), (5, None, 3.0)])
+def test_attention_forward_padding_mask(integration, request, path, causal, q_len, sliding_window, softcap):
+    """attention_forward with a 2D padding mask (left padding, right padding, none) against each
+    sequence's attention run alone; both the kernel path and the SDPA / masked-softmax fallback."""
+    if path == "kernel":
+        calls = request.getfixturevalue("kernels_on_cpu")
+    batch, kv_len, heads, heads_kv, d = 3, 13, 4, 2, 16
+    mask = torch.ones(batch, kv_len, dtype=torch.bool)
+    mask[0, :4] = False  # left padding
+    if q_len == kv_len:
+        mask[2, 9:] = False  # right padding (only where every query is in the mask)
+    query = torch.randn(batch, heads, q_len, d)
+    key, value = torch.randn(batch, heads_kv, kv_len, d), torch.randn(batch, heads_kv, kv_len, d)
+    scale = 0.3
+    module = torch.nn.Module()
+    module.is_causal = causal
+    kwargs = dict(sliding_window=sliding_window, softcap=softcap)
+    out, _ = integration.attention_forward(module, query, key, value, mask, scaling=scale, **kwargs)
+    window = integration.window_for(sliding_window, kv_len)
+    if causal or window != (-1, -1):
+        q_rows = mask[:, -q_len:] if q_len > 1 else torch.ones(batch, 1, dtype=torch.bool)
+    else:
+        q_rows = torch.ones(batch, q_len, dtype=torch.bool)  # non-causal: only the keys are padding
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    want = _per_sequence_reference(q, k, v, q_rows, mask, causal and q_len > 1, scale, window, softcap or 0.0)
+    assert out.shape == (batch, q_len, heads, d)
+    assert torch.allclose(out, want, atol=2e-5), (out - want).abs().max()
+    if path == "kernel":
+        assert [c["kind"] for c in calls] == ["varlen"] and calls[0]["window_size"] == window
+
+
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens", "dense"])
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_attention_forward_packed_and_dense(integration, request, path, how, sliding_window):
+    """Batch 1 packed by restarting position_ids or by cu_seq_lens kwargs: each sequence alone;
+    no mask and no packing: one causal attention."""
+    from cute_attn.reference import attention_reference
+
+    if path == "kernel":
+        calls = request.getfixturevalue("kernels_on_cpu")
+    lengths = [6, 1, 9, 4] if how != "dense" else [20]
+    total, heads, heads_kv, d = sum(lengths), 4, 1, 8
+    query = torch.randn(1, heads, total, d)
+    key, value = torch.randn(1, heads_kv, total, d), torch.randn(1, heads_kv, total, d)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    kwargs = dict(position_ids=positions, sliding_window=sliding_window)
+    if how == "cu_seq_lens":
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+        kwargs["position_ids"] = torch.arange(total)[None]  # the kwargs alone tell the sequences apart
+    out, _ = integration.attention_forward(torch.nn.Module(), query, key, value, None, **kwargs)
+    window = integration.window_for(sliding_window, total)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    want = torch.cat([attention_reference(q[:, s:e], k[:, s:e], v[:, s:e], True, window_size=window)[0]
+                      for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+    assert torch.allclose(out, want, atol=2e-5), (out - want).abs().max()
+    if path == "kernel":
+        assert [c["kind"] for c in calls] == (["dense"] if how == "dense" else ["varlen"])
+        if how != "dense":
+            assert calls[0]["cu_seqlens_q"] == cu.tolist() == calls[0]["cu_seqlens_k"]
+
+
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+def test_attention_forward_decoding_without_mask(integration, request, path):
+    """No mask, more keys than queries (a cache): queries at the last positions (bottom-right),
+    one query: every key; a window counts back from the query's own position."""
+    from cute_attn.reference import attention_reference
+
+    if path == "kernel":
+        request.getfixturevalue("kernels_on_cpu")
+    for q_len, sliding_window in ((1, None), (1, 5), (4, None), (4, 5)):
+        query, key, value = torch.randn(2, 4, q_len, 8), torch.randn(2, 4, 12, 8), torch.randn(2, 4, 12, 8)
+        out, _ = integration.attention_forward(torch.nn.Module(), query, key, value, None, sliding_window=sliding_window)
+        window = integration.window_for(sliding_window, 12)
+        want = attention_reference(*(t.transpose(1, 2) for t in (query, key, value)), q_len > 1, window_size=window)[0]
+        assert torch.allclose(out, want, atol=2e-5), (q_len, sliding_window)
+
+
+def test_fallback_mask_against_sdpa_math(integration):
+    """The 4D mask the fallback builds, by hand: causal + padding + window, queries at the last
+    q_len of kv_len; SDPA over it against a hand-written masked softmax."""
+    batch, q_len, kv_len = 2, 3, 7
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    q, k = torch.randn(batch, 4, q_len, 8), torch.randn(batch, 4, kv_len, 8)
+    built, used = integration.fallback_mask(q, k, mask, True, (2, 2), {})
+    assert used == kv_len and built.shape == (batch, 1, q_len, kv_len)
+    want = torch.zeros(batch, q_len, kv_len, dtype=torch.bool)
+    for b in range(batch):
+        for i in range(q_len):
+            position = kv_len - q_len + i
+            for j in range(kv_len):
+                want[b, i, j] = bool(mask[b, j]) and position - 2 <= j <= position and bool(mask[b, position])
+    assert torch.equal(built[:, 0], want)
+    v = torch.randn(batch, 4, kv_len, 8)
+    got = F.scaled_dot_product_attention(q, k, v, attn_mask=built)
+    scores = (q @ k.transpose(2, 3) / 8 ** 0.5).masked_fill(~built, float("-inf"))
+    assert torch.allclose(got, scores.softmax(-1) @ v, atol=1e-5)
+    # no mask: SDPA's is_causal where it agrees, an explicit bottom-right mask where it would not
+    assert integration.fallback_mask(q, torch.randn(batch, 4, q_len, 8), None, True, (-1, -1), {})[0] is None
+    bottom_right = integration.fallback_mask(q, k, None, True, (-1, -1), {})[0]
+    assert torch.equal(bottom_right[0, 0], torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len))
+    # a static cache's unwritten slots: the mask is shorter than the keys, which are cut to it
+    assert integration.fallback_mask(q, torch.randn(batch, 4, 20, 8), mask, True, (-1, -1), {})[1] == kv_len
+
+
+def test_masked_softmax_with_sinks_and_softcap(integration):
+    query, key, value = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    sinks = torch.randn(4)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    out, probs = integration.masked_softmax_attention(None, query, key, value, causal[None, None], 0.0, 0.5, 2.0,
+                                                      sinks)
+    k, v = key.repeat_interleave(2, 1), value.repeat_interleave(2, 1)
+    scores = (2.0 * torch.tanh(query @ k.transpose(2, 3) * 0.5 / 2.0)).masked_fill(~causal, float("-inf"))
+    exp = (scores - scores.amax(-1, keepdim=True)).exp()
+    sink = (sinks[None, :, None] - scores.amax(-1)).exp()
+    want = exp / (exp.sum(-1) + sink)[..., None]
+    assert torch.allclose(probs, want, atol=1e-6)
+    assert torch.allclose(out, (want @ v).transpose(1, 2), atol=1e-6)
+
+
+def test_mask_function(integration):
+    """padding_mask: None without padding, the 2D mask with, all ones over a static cache's written
+    slots, SDPA's 4D mask for patterns the flash path cannot express."""
+    from transformers import masking_utils as mu
+
+    ones = torch.ones(2, 9, dtype=torch.bool)
+    assert integration.padding_mask(2, 9, 9, attention_mask=ones) is None
+    assert integration.padding_mask(2, 9, 9, attention_mask=None) is None
+    padded = ones.clone()
+    padded[0, :3] = False
+    assert torch.equal(integration.padding_mask(2, 9, 9, attention_mask=padded), padded)
+    # a sliding-window cache's keys: the mask's last kv_length columns
+    assert integration.padding_mask(2, 1, 5, attention_mask=padded) is None  # the padding fell out of them
+    padded[1, 6] = False
+    assert torch.equal(integration.padding_mask(2, 1, 5, attention_mask=padded), padded[:, -5:])
+    static = integration.padding_mask(2, 1, 32, q_offset=torch.tensor(8), attention_mask=None)
+    assert static.shape == (2, 9) and static.all()
+    assert integration.padding_mask(2, 3, 32, mask_function=mu.bidirectional_mask_function) is None  # cross attn
+    for pattern in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(4),
+                    mu.packed_sequence_compatibility_function(mu.causal_mask_function, torch.zeros(1, 9, dtype=int),
+                                                              torch.zeros(1, 9, dtype=int))):
+        assert integration.pattern_parts(pattern) is not None
+    chunked = mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=int))
+    overlay = mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function)
+    for pattern in (chunked, overlay, mu.sliding_window_bidirectional_mask_function(3)):
+        assert integration.pattern_parts(pattern) is None
+        four_d = integration.padding_mask(2, 9, 9, mask_function=pattern, attention_mask=padded)
+        want = mu.sdpa_mask(2, 9, 9, mask_function=pattern, attention_mask=padded, allow_is_causal_skip=False)
+        assert four_d.shape == (2, 1, 9, 9) and torch.equal(four_d, want)
+
+
+def _tiny(kind, attn_implementation):
+    transformers = pytest.importorskip("transformers")
+    import cute_attn.integrations.transformers  # noqa: F401  registers "cute_attn"
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    if kind == "llama":
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif kind == "mistral":
+        config, cls = transformers.MistralConfig(sliding_window=5, **common), transformers.MistralForCausalLM
+    else:
+        config = transformers.Gemma2Config(sliding_window=5, attn_logit_softcapping=3.0, query_pre_attn_scalar=16,
+                                           **common)
+        cls = transformers.Gemma2ForCausalLM
+    torch.manual_seed(0)
+    return cls._from_config(config, attn_implementation=attn_implementation).eval()
+
+
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_models_match_eager_on_cpu(request, path, kind):
+    """Tiny Llama, Mistral (sliding window) and Gemma 2 (softcap, sliding layers) in fp32 on the
+    CPU, "cute_attn" against "eager": a left- and right-padded batch at its tokens, no padding,
+    greedy generation from a left-padded batch (dynamic and static cache)."""
+    if path == "kernel":
+        calls = request.getfixturevalue("kernels_on_cpu")
+    model, eager = _tiny(kind, "cute_attn"), _tiny(kind, "eager")
+    ids = torch.randint(0, 97, (3, 14))
+    mask = torch.ones(3, 14, dtype=torch.long)
+    mask[0, :6] = 0
+    mask[2, 9:] = 0
+    with torch.no_grad():
+        got, want = model(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits
+        assert torch.allclose(got[mask.bool()], want[mask.bool()], atol=1e-4), (got - want)[mask.bool()].abs().max()
+        assert torch.allclose(model(ids).logits, eager(ids).logits, atol=1e-4)
+        left = torch.ones(2, 14, dtype=torch.long)
+        left[0, :6] = 0
+        for cache in (None, "static"):  # a static cache without padding: generate drops the mask
+            for attention_mask in (left, torch.ones_like(left)):
+                options = dict(attention_mask=attention_mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                               cache_implementation=cache)
+                assert torch.equal(model.generate(ids[:2], **options), eager.generate(ids[:2], **options)), cache
+    if path == "kernel":
+        assert {c["kind"] for c in calls} == {"dense", "varlen"}
+        if kind != "llama":
+            assert any(c["window_size"] == (4, 4) for c in calls)
+        if kind == "gemma2":
+            assert {c["softcap"] for c in calls} == {3.0}
+
+
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+def test_packed_llama_on_cpu(request, path):
+    """Padding-free packing: 3 sequences in batch 1 with restarting position_ids, and the same from
+    DataCollatorWithFlattening's cu_seq_lens kwargs: logits equal each sequence alone, gradients
+    equal eager's on the same packed batch (which masks it block-diagonally)."""
+    from transformers import DataCollatorWithFlattening
+
+    if path == "kernel":
+        calls = request.getfixturevalue("kernels_on_cpu")
+    model, eager = tiny_llama("cute_attn"), tiny_llama("eager")
+    sequences = [torch.randint(0, 97, (n,)) for n in (7, 12, 5)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s.tolist()} for s in sequences])
+    with torch.no_grad():
+        alone = torch.cat([eager(s[None]).logits for s in sequences], dim=1)
+        by_positions = model(batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        assert torch.allclose(by_positions, alone, atol=1e-4)
+        flash_kwargs = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+        by_kwargs = model(batch["input_ids"], position_ids=batch["position_ids"], use_cache=False, **flash_kwargs).logits
+        assert torch.allclose(by_kwargs, alone, atol=1e-4)
+    for m in (model, eager):
+        m(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], use_cache=False).loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+    if path == "kernel":
+        assert {c["kind"] for c in calls} == {"varlen"} and calls[0]["cu_seqlens_q"] == [0, 7, 19, 24]
+
+
+@pytest.mark.parametrize("path", ["kernel", "fallback"])
+def test_value_head_dim_below_query_head_dim(integration, request, path):
+    """MLA-style V narrower than Q/K: V padded up for the kernels (which take one head dim), the
+    output cropped back."""
+    from cute_attn.reference import attention_reference
+
+    if path == "kernel":
+        request.getfixturevalue("kernels_on_cpu")
+    query, key, value = torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 8)
+    out, _ = integration.attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.2)
+    want = attention_reference(*(t.transpose(1, 2) for t in (query, key, value)), True, 0.2)[0]
+    assert out.shape == (2, 9, 4, 8) and torch.allclose(out, want, atol=2e-5)
+
+
+def test_declined_calls_keep_their_semantics(integration, kernels_on_cpu):
+    """Even where the kernels would run: a model's own 4D mask goes to SDPA as it is, sinks and
+    output_attentions through the masked softmax (probabilities returned), dropout to SDPA's."""
+    query, key, value = torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 16)
+    four_d = torch.rand(2, 1, 9, 9) > 0.5
+    four_d |= torch.eye(9, dtype=torch.bool)
+    module = torch.nn.Module()
+    out, _ = integration.attention_forward(module, query, key, value, four_d, scaling=0.3)
+    want = F.scaled_dot_product_attention(query, key, value, attn_mask=four_d, scale=0.3).transpose(1, 2)
+    assert torch.allclose(out, want, atol=1e-5)
+    out, probs = integration.attention_forward(module, query, key, value, None, scaling=0.3, output_attentions=True)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=0.3).transpose(1, 2)
+    assert probs.shape == (2, 4, 9, 9) and torch.allclose(out, want, atol=1e-5)
+    sinks = torch.full((4,), -1e4)  # sinks that take nothing: plain causal attention
+    out, _ = integration.attention_forward(module, query, key, value, None, scaling=0.3, s_aux=sinks)
+    assert torch.allclose(out, want, atol=1e-5)
+    module.train()
+    out, _ = integration.attention_forward(module, query, key, value, None, dropout=0.5, scaling=0.3)
+    assert out.shape == (2, 9, 4, 16) and not torch.allclose(out, want, atol=1e-3)
+    assert kernels_on_cpu == []

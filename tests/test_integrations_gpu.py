@@ -1,5 +1,7 @@
 """SDPA's flash backend routed to cute_attn on the GPU (marker ``gpu``): same results as calling
-cute_attn directly, forward and backward, and declined calls still served by torch's kernels."""
+cute_attn directly, forward and backward, and declined calls still served by torch's kernels.
+(transformers' attn_implementation="cute_attn" on the GPU: test_transformers_gpu.py, which needs no
+flash-implementation registry.)"""
 
 import inspect
 
@@ -169,29 +171,3 @@ def test_declined_flash_op_calls_fall_back_to_torch(activated):
     assert out.shape == q.shape and not torch.isnan(out).any()
     assert not torch.allclose(out, cute_attn.flash_attn_varlen_func(q, k, v, cu, cu, 129, 129, causal=True))
 
-
-def _tiny_llama(attn_implementation):
-    transformers = pytest.importorskip("transformers")
-    import cute_attn.integrations.transformers  # noqa: F401  registers "cute_attn"
-
-    config = transformers.LlamaConfig(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation)
-    return model.to(device="cuda", dtype=torch.bfloat16)
-
-
-def test_transformers_llama_matches_eager():
-    model, eager = _tiny_llama("cute_attn"), _tiny_llama("eager")
-    ids = torch.randint(0, 257, (2, 100), device="cuda")
-    logits, ref = model(ids).logits, eager(ids).logits
-    assert (logits.float() - ref.float()).abs().max() < 0.05
-    # a training step: the same gradients within bf16 tolerance
-    for m in (model, eager):
-        m(ids, labels=ids).loss.backward()
-    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
-        assert torch.allclose(p.grad.float(), q.grad.float(), atol=2e-2, rtol=5e-2), name
-    # greedy generation, token for token
-    prompt = ids[:1, :20]
-    kwargs = dict(max_new_tokens=16, do_sample=False)
-    assert torch.equal(model.generate(prompt, **kwargs), eager.generate(prompt, **kwargs))
