@@ -407,11 +407,13 @@ def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, m
             section = heads_per_section(max_seqlen_k, key.head_dim, q.element_size())
         extra = (plan.num_sms, section)
     scalars = opts.kernel_scalars(max_seqlen_q)
+    # the SM80 kernel's decode arguments (KV cache, pages, split-KV: compiled out here)
+    decode = (None, None, None, None, None, 1) if key.kernel == "sm80" else ()
 
     def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         with torch.cuda.device(device):
             kernel(q, k, v, out, lse, scale_log2, *extra, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-                   *scalars)
+                   *scalars, *decode)
 
     return launch
 

@@ -275,8 +275,14 @@ def feature_keys(smem_capacity: int = 227 * 1024) -> list:
     for d in HEAD_DIMS:
         configs += [(F(local=True, softcap=True, alibi=True), False, d, "bf16"),
                     (F(softcap=True, alibi=True, varlen=True), True, d, "bf16")]
+    # seqused_k: plain (bf16 d128, both causal), with window + softcap + ALiBi (fp16 d64/256,
+    # deterministic), and the autograd case (bf16 d64 causal)
+    configs += [(F(varlen=True, seqused=True), c, 128, "bf16") for c in (False, True)]
+    seqused_all = [(F(local=True, softcap=True, alibi=True, varlen=True, seqused=True), False, d, "fp16")
+                   for d in (64, 256)]
+    configs += seqused_all + [(F(varlen=True, seqused=True), True, 64, "bf16")]
     deterministic = {(F(local=True, softcap=True), False, 128, "bf16"),
-                     (F(local=True, softcap=True, alibi=True, varlen=True), False, 128, "bf16")}
+                     (F(local=True, softcap=True, alibi=True, varlen=True), False, 128, "bf16"), *seqused_all}
     keys: dict = {}
     for kernel in ("sm80", "sm90"):
         for features, causal, d, dtype in configs:
