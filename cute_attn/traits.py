@@ -401,7 +401,7 @@ class Sm90BackwardTraits:
 # head dims: 64 Q rows, S and dP not transposed, dK^T and dV^T with the head dim on the wgmma M
 # axis), with FlashAttention-4's tiles. What limits them is shared memory, 227 KB: Q takes two
 # stages, dO one, P and dS one buffer each, and the fp32 dQ staging buffer of a Q block (48/64 KB)
-# must fit beside them. d192: 96 keys (217 KB; dK^T + dV^T 144 registers per thread, the
+# must fit beside them. d192: 96 keys (218 KB; dK^T + dV^T 144 registers per thread, the
 # warpgroups split the keys, since 192 rows of the head dim do not halve into 64-row wgmma tiles);
 # d256: 48 keys (222 KB; 96 registers, the warpgroups split the head dim). Not yet measured.
 _B = Sm90BackwardTraits
