@@ -1,7 +1,8 @@
 """Backward kernels and autograd against the fp32 reference on the GPU (marker ``gpu``).
 
 Every test runs once per kernel family the GPU can run (``arch``): SM80 everywhere, SM90 on
-compute capability 9.0 (its backward covers d32-128; d192/256 fall back to the SM80 kernel there).
+compute capability 9.0 (kernels/sm90/backward.py for d32-128, kernels/sm90/backward_large.py for
+d192/256).
 """
 
 import pytest
@@ -56,7 +57,7 @@ def test_backward_matches_reference(head_dim, dtype, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [32, 72, 128])
+@pytest.mark.parametrize("head_dim", [32, 72, 128, 192, 256])
 def test_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
     q, k, v = random_qkv(2, 1000, 1000, 8, 2, head_dim, torch.bfloat16)
     out, lse = cute_attn.forward(q, k, v, causal=causal, return_lse=True)
