@@ -236,8 +236,8 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS, tScS_thread0 = thr_sdp.partition_C(cS), mma_sdp.get_slice(0).partition_C(cS)
 
-        ctx = (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKVrPdS, tdKrQt, tdQrdS, tdQrKt,
-               acc_dK, acc_dV, stsm_PdS, tPdSsPdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD, pipe_q, pipe_do,
+        ctx = (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKVrPdS, tdKrQt, tdQrdS,
+               tdQrKt, acc_dK, acc_dV, stsm_PdS, tPdSsPdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD, pipe_q, pipe_do,
                softmax_scale_log2, n_block, seq.seqlen_q, seq.seqlen_k, wg, window_left, window_right, softcap_scale)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -260,11 +260,10 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
     def _backward_block(self, ctx, q_state, do_state, m_block: Int32, alibi_slope):
         """The five GEMMs of one Q block. wgmma groups complete in issue order, so each
         ``wait=1`` below means "everything but the GEMM just issued is done"."""
-        (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKVrPdS, tdKrQt, tdQrdS, tdQrKt,
-         acc_dK, acc_dV, stsm_PdS, tPdSsPdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD, pipe_q, pipe_do,
+        (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKVrPdS, tdKrQt, tdQrdS,
+         tdQrKt, acc_dK, acc_dV, stsm_PdS, tPdSsPdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD, pipe_q, pipe_do,
          softmax_scale_log2, n_block, seqlen_q, seqlen_k, wg, window_left, window_right, softcap_scale) = ctx
         q_stage, do_stage = q_state.index, do_state.index
-        barrier_mma = cute.arch.barrier  # both MMA warpgroups (below: number_of_threads)
 
         # S = Q K^T and dP = dO V^T (this warpgroup's keys), back to back
         pipe_q.consumer_wait(q_state)
@@ -292,7 +291,7 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         rP = convert(acc_S, self.dtype)
         # P and dS have one buffer each: both warpgroups must be done with the last Q block's
         # (the other warpgroup's dV^T / dK^T read this warpgroup's keys too, and dQ all of dS)
-        barrier_mma(barrier_id=int(Barrier.PDS_FREE), number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=int(Barrier.PDS_FREE), number_of_threads=self.num_mma_threads)
         cute.copy(stsm_PdS, stsm_PdS.retile(rP), tPdSsPdS[None, None, None, P_STAGE])
         if const_expr(self.features.softcap):
             # dS = P * (1 - tanh^2) * (dP - D): the derivative folded into P
@@ -307,7 +306,7 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         rdS = convert(acc_dP, self.dtype)
         cute.copy(stsm_PdS, stsm_PdS.retile(rdS), tPdSsPdS[None, None, None, DS_STAGE])
         cute.arch.fence_view_async_shared()  # P's and dS's generic-proxy writes, visible to wgmma
-        barrier_mma(barrier_id=int(Barrier.PDS), number_of_threads=self.num_mma_threads)
+        cute.arch.barrier(barrier_id=int(Barrier.PDS), number_of_threads=self.num_mma_threads)
 
         # dV^T += dO^T P, dQ = dS K (all the CTA's keys), dK^T += Q^T dS
         common.wgmma(mma_dkv, acc_dV, tdVrdOt[None, None, None, do_stage], tdKVrPdS[None, None, None, P_STAGE],
