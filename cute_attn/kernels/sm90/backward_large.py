@@ -12,7 +12,7 @@ registers of dK and dV shrink with the K/V block instead:
     dQ = dS K                                             (the warpgroups split the head dim)
 
 P and dS go to shared memory (one buffer each), where dV^T and dK^T read them as the B operand
-and dQ reads dS as its A operand. dK^T and dV^T take head_dim * tile_n / 128 fp32 registers each
+and dQ reads dS as its A operand. dK^T and dV^T take head_dim * tile_n / 256 fp32 registers each
 per thread: the two warpgroups split the head dim into 64-row wgmma tiles where it halves into
 them (d256: 128 rows each) and the keys otherwise (d192: 48 keys each). With the tiles of
 traits.SM90_BACKWARD that is 144 (d192, 96 keys) and 96 (d256, 48 keys) registers.
