@@ -56,6 +56,20 @@ def test_backward_matches_reference(head_dim, dtype, causal):
                 check_close(name, got, r, s, 1e-4, case)
 
 
+@pytest.mark.parametrize("head_dim", [160, 192, 256])
+def test_large_head_dims_take_the_sm90_large_kernel(arch, head_dim):
+    """What the tests above run for d > 128: on Hopper the SM90 large-head-dim backward
+    (kernels/sm90/backward_large.py: traits with swap_dkv), under ``arch`` sm80 the SM80 one."""
+    from cute_attn import dispatch, interface
+
+    q = torch.empty(1, 64, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+    for features in ({}, dict(window_size=(16, 0), softcap=5.0, alibi=True, varlen=True)):
+        opts = interface._score_options(True, None, head_dim, **features)
+        _, main = interface._backward_keys(dispatch.plan_for_device(q.device), q, opts, True)
+        assert main.kernel == arch
+        assert main.traits.swap_dkv if arch == "sm90" else not hasattr(main.traits, "swap_dkv")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [32, 72, 128, 192, 256])
 def test_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
