@@ -364,7 +364,14 @@ def build_backward(key, keep_artifacts: bool = False):
                 cutlass.Float32(1.0), cutlass.Float32(1.0), *_fake_feature_args(key.features), stream)
 
         def compile_one(tr, keep):
-            if key.kernel == "sm90":
+            if key.kernel == "sm90" and tr.swap_dkv:
+                from cute_attn.kernels.sm90 import backward_large
+
+                kernel = backward_large.FlashAttentionBackwardSm90LargeHeadDim(
+                    dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_stages, tr.dout_stages, key.causal,
+                    key.deterministic, features=key.features,
+                )
+            elif key.kernel == "sm90":
                 kernel = bwd90.FlashAttentionBackwardSm90(
                     dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_stages, key.causal, key.deterministic,
                     features=key.features,

@@ -340,34 +340,52 @@ def sm80_backward_traits(head_dim: int) -> tuple[BackwardTraits, ...]:
 
 
 def parse_backward_traits(spec: str, head_dim: int):
-    """'m64n128w8a2b4c2' -> BackwardTraits (SM80), 'm64n128s2' -> Sm90BackwardTraits (for tools and sweeps)."""
+    """'m64n128w8a2b4c2' -> BackwardTraits (SM80), 'm64n128s2' -> Sm90BackwardTraits, 'm64n48s2d1t' ->
+    Sm90BackwardTraits of the large-head-dim kernel (one dO stage, transposed dK/dV) (for tools and sweeps)."""
     import re
 
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)", spec)
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(?:d(\d+))?(t)?", spec)
     if m:
-        return Sm90BackwardTraits(padded_head_dim(head_dim), *map(int, m.groups()))
+        tile_m, tile_n, stages, do_stages, swap = m.groups()
+        return Sm90BackwardTraits(padded_head_dim(head_dim), int(tile_m), int(tile_n), int(stages),
+                                  int(do_stages) if do_stages is not None else None, bool(swap))
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)a(\d+)b(\d+)c(\d+)", spec)
     if not m:
-        raise ValueError(f"backward traits spec must look like m64n128w8a2b4c2 (SM80) or m64n128s2 (SM90), got {spec!r}")
+        raise ValueError(f"backward traits spec must look like m64n128w8a2b4c2 (SM80) or m64n128s2 (SM90, "
+                         f"optionally d1 and t), got {spec!r}")
     return BackwardTraits(padded_head_dim(head_dim), *map(int, m.groups()))
 
 
 @dataclass(frozen=True)
 class Sm90BackwardTraits:
-    """Hopper backward: a producer warpgroup and two MMA warpgroups of 64 keys each."""
+    """Hopper backward: a producer warpgroup and two MMA warpgroups. ``swap_dkv`` False: the
+    kernel of kernels/sm90/backward.py (S^T, dP^T with 64 keys per warpgroup, dK and dV in
+    registers); True: kernels/sm90/backward_large.py (S, dP with 64 Q rows, P and dS through
+    shared memory, dK^T and dV^T in registers)."""
 
     head_dim: int
-    tile_m: int  # Q rows per block (the N of S^T = K Q^T): 64 or 128
-    tile_n: int = 128  # K/V rows per CTA: 64 per MMA warpgroup
-    num_stages: int = 2  # shared-memory buffers for each of Q (+ LSE), dO (+ D) and dS
+    tile_m: int  # Q rows per block (the N of S^T = K Q^T): 64 or 128; swap_dkv: 64
+    tile_n: int = 128  # K/V rows per CTA: 64 per MMA warpgroup; swap_dkv: a multiple of 16
+    num_stages: int = 2  # shared-memory buffers for each of Q (+ LSE), dO (+ D) and dS; swap_dkv: Q only
+    do_stages: int | None = None  # swap_dkv: shared-memory buffers for dO (+ D) (None: num_stages)
+    swap_dkv: bool = False  # the large-head-dim kernel: one buffer each for P and dS
 
     @property
     def spec(self) -> str:
-        """'m64n128s2': the form parse_backward_traits and --bwd-sweep take."""
-        return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
+        """'m64n128s2' (+ 'd1': dO stages, 't': swap_dkv): the form parse_backward_traits and
+        --bwd-sweep take."""
+        return (f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
+                f"{f'd{self.do_stages}' if self.do_stages is not None else ''}{'t' if self.swap_dkv else ''}")
+
+    @property
+    def dout_stages(self) -> int:
+        return self.num_stages if self.do_stages is None else self.do_stages
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
-        d, m, n, s = self.head_dim, self.tile_m, self.tile_n, self.num_stages
+        d, m, n, s, sdo = self.head_dim, self.tile_m, self.tile_n, self.num_stages, self.dout_stages
+        if self.swap_dkv:
+            # Q, dO (their stages) + K, V + one P and one dS + the fp32 dQ of one Q block + LSE, D + barriers
+            return elem_bytes * ((s + sdo) * m * d + 2 * n * d + 2 * m * n) + 4 * m * d + 4 * m * (s + sdo) + 1024
         # Q, dO, dS (per stage) + K, V + the fp32 dQ of one Q block + LSE, D (per stage) + barriers
         return elem_bytes * (s * (2 * m * d + m * n) + 2 * n * d) + 4 * m * d + 2 * 4 * m * s + 1024
 
@@ -377,15 +395,23 @@ class Sm90BackwardTraits:
 # accumulators (tile_m / 2 fp32 each per thread) fit beside dK and dV (head_dim / 2 each); 64 rows
 # for larger head dims. Measured on H100 (docs/performance.md, 2026-11-23): d64 at 1.00-1.03x and
 # d128 at 0.95-0.98x FlashAttention-4 sustained; FA3's 80-row Q blocks for d128 non-causal (dQ
-# computed as dQ^T = K^T dS^T) ran slower here than 64 rows. d192/d256 have no entry: dK and
-# dV alone would take 192/256 registers per thread at 128 keys per CTA (FlashAttention-3 computes
-# them transposed with smaller K/V blocks), so they run the SM80 backward.
+# computed as dQ^T = K^T dS^T) ran slower here than 64 rows.
+# d192/d256: that kernel's dK and dV alone would take 192/256 registers per thread at 128 keys per
+# CTA, so they run kernels/sm90/backward_large.py (FlashAttention-3/4's decomposition for large
+# head dims: 64 Q rows, S and dP not transposed, dK^T and dV^T with the head dim on the wgmma M
+# axis), with FlashAttention-4's tiles. What limits them is shared memory, 227 KB: Q takes two
+# stages, dO one, P and dS one buffer each, and the fp32 dQ staging buffer of a Q block (48/64 KB)
+# must fit beside them. d192: 96 keys (218 KB; dK^T + dV^T 144 registers per thread, the
+# warpgroups split the keys, since 192 rows of the head dim do not halve into 64-row wgmma tiles);
+# d256: 48 keys (222 KB; 96 registers, the warpgroups split the head dim). Not yet measured.
 _B = Sm90BackwardTraits
 SM90_BACKWARD = {
     32: dict.fromkeys((False, True), _B(32, tile_m=128)),
     64: dict.fromkeys((False, True), _B(64, tile_m=128)),
     96: dict.fromkeys((False, True), _B(96, tile_m=64)),
     128: dict.fromkeys((False, True), _B(128, tile_m=64)),
+    192: dict.fromkeys((False, True), _B(192, tile_m=64, tile_n=96, num_stages=2, do_stages=1, swap_dkv=True)),
+    256: dict.fromkeys((False, True), _B(256, tile_m=64, tile_n=48, num_stages=2, do_stages=1, swap_dkv=True)),
 }
 
 

@@ -1,7 +1,8 @@
 """Backward kernels and autograd against the fp32 reference on the GPU (marker ``gpu``).
 
 Every test runs once per kernel family the GPU can run (``arch``): SM80 everywhere, SM90 on
-compute capability 9.0 (its backward covers d32-128; d192/256 fall back to the SM80 kernel there).
+compute capability 9.0 (kernels/sm90/backward.py for d32-128, kernels/sm90/backward_large.py for
+d192/256).
 """
 
 import pytest
@@ -55,8 +56,22 @@ def test_backward_matches_reference(head_dim, dtype, causal):
                 check_close(name, got, r, s, 1e-4, case)
 
 
+@pytest.mark.parametrize("head_dim", [160, 192, 256])
+def test_large_head_dims_take_the_sm90_large_kernel(arch, head_dim):
+    """What the tests above run for d > 128: on Hopper the SM90 large-head-dim backward
+    (kernels/sm90/backward_large.py: traits with swap_dkv), under ``arch`` sm80 the SM80 one."""
+    from cute_attn import dispatch, interface
+
+    q = torch.empty(1, 64, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+    for features in ({}, dict(window_size=(16, 0), softcap=5.0, alibi=True, varlen=True)):
+        opts = interface._score_options(True, None, head_dim, **features)
+        _, main = interface._backward_keys(dispatch.plan_for_device(q.device), q, opts, True)
+        assert main.kernel == arch
+        assert main.traits.swap_dkv if arch == "sm90" else not hasattr(main.traits, "swap_dkv")
+
+
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [32, 72, 128])
+@pytest.mark.parametrize("head_dim", [32, 72, 128, 192, 256])
 def test_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
     q, k, v = random_qkv(2, 1000, 1000, 8, 2, head_dim, torch.bfloat16)
     out, lse = cute_attn.forward(q, k, v, causal=causal, return_lse=True)

@@ -167,8 +167,9 @@ def test_prebuild_fills_the_cache_the_runtime_reads(tmp_path, capsys):
     from cute_attn import prebuild
 
     keys = prebuild.prebuild_keys(["sm_90a"], [64, 256], ["bf16"], [True], [False], ["bwd"])
-    # what an H100 runs: the SM90 backward for d64, the SM80 fallback for d256, with pre/post kernels
-    assert {k.kernel for k in keys if isinstance(k, compile_mod.BackwardKey)} == {"sm80", "sm90"}
+    # what an H100 runs: the SM90 backward for d64 and the large-head-dim one for d256, with pre/post kernels
+    mains = [k for k in keys if isinstance(k, compile_mod.BackwardKey)]
+    assert {k.kernel for k in mains} == {"sm90"} and {k.traits.swap_dkv for k in mains} == {False, True}
     _, main = compile_mod.backward_keys("sm_90a", "bf16", 64, True, False, kernel="sm90",
                                         smem_capacity=227 * 1024)
     assert main in keys

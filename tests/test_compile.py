@@ -82,6 +82,18 @@ BWD_SUBSET = [  # (head_dim, dtype, causal, deterministic): with the SM90 kernel
 ]
 
 
+_FEATURES_ALL = Features(local=True, softcap=True, alibi=True, varlen=True, seqused=True)
+BWD_LARGE_SUBSET = [  # (head_dim, dtype, causal, deterministic, features): the SM90 large-head-dim
+    # kernel (kernels/sm90/backward_large.py) on sm_90a: both entries, both dtypes, causal or not,
+    # deterministic, every optional feature, a padded head dim (160 -> 192)
+    (192, "bf16", False, False, Features()),
+    (256, "fp16", True, False, Features()),
+    (256, "bf16", True, True, Features()),
+    (160, "fp16", True, False, _FEATURES_ALL),
+    (256, "bf16", False, True, _FEATURES_ALL),
+]
+
+
 def _bwd_keys(all_variants):
     if all_variants:
         return backward_variants(TARGETS, HEAD_DIMS + (72,), deterministic=(False, True))
@@ -92,6 +104,9 @@ def _bwd_keys(all_variants):
     }
     for t, d in (("sm_90a", 128), ("sm_80", 64)):  # varlen + seqused_k + the score features
         keys.update(dict.fromkeys(backward_variants([t], [d], ["bf16"], [True], [False], features=[VARLEN_ALL])))
+    for d, dt, c, det, f in BWD_LARGE_SUBSET:
+        keys.update(dict.fromkeys(backward_variants(["sm_90a"], [d], [dt], [c], [det], kernels=("sm90",),
+                                                    features=(f,))))
     return list(keys)
 
 
@@ -238,6 +253,16 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
         assert "stmatrix" in ptx, "dS and the dK/dV epilogue go through stmatrix"
         if bwd_key.deterministic:
             assert "ld.acquire.gpu" in ptx and "st.release.gpu" in ptx, "no semaphore ordering for dQ"
+        t = fn.traits
+        if t.swap_dkv:
+            # S and dP in each warpgroup's keys; dK^T, dV^T with both operands MN-major (the two
+            # trailing transpose flags); dK, dV out through stmatrix.trans
+            keys_wg = t.tile_n // 2
+            assert f"wgmma.mma_async.sync.aligned.m64n{keys_wg}k16" in ptx
+            dkv_n = keys_wg if (t.head_dim // 2) % 64 else t.tile_n
+            dkv = [line for line in ptx.splitlines() if f"aligned.m64n{dkv_n}k16" in line]
+            assert any(line.rstrip().endswith("1, 1;") for line in dkv), "no MN-major dK^T / dV^T wgmma"
+            assert "stmatrix.sync.aligned.m8n8.x4.trans" in ptx
         assert counts["ld.local/st.local"] == 0 and res["stack_frame"] == 0, (
             f"{bwd_key.name}: {res['stack_frame']} bytes of local memory (spills)")
         return
@@ -253,14 +278,27 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
 
 
 def test_sm90_backward_table_and_fallback():
-    # every SM90 backward entry fits Hopper's 227 KB; d192/d256 and other targets run the SM80 kernel
+    # every SM90 backward entry fits Hopper's 227 KB; d192/d256 take the large-head-dim kernel
+    # (swap_dkv: dK^T, dV^T), the others 128 keys per CTA; other targets run the SM80 kernel
     for d, by_causal in SM90_BACKWARD.items():
         for causal, t in by_causal.items():
-            assert t.smem_bytes() <= 227 * 1024 and t.head_dim == d and t.tile_n == 128
+            assert t.smem_bytes() <= 227 * 1024 and t.head_dim == d
+            assert t.swap_dkv == (d > 128)
+            assert t.tile_n == 128 if not t.swap_dkv else (t.tile_m == 64 and t.tile_n % 16 == 0)
             _, main = backward_keys("sm_90a", "bf16", d, causal, False, kernel="sm90")
             assert main.kernel == "sm90" and main.traits == t
+            assert parse_backward_traits(t.spec, d) == t
     for d in (192, 256):
-        assert backward_keys("sm_90a", "bf16", d, False, False, kernel="sm90")[1].kernel == "sm80"
+        for f in (Features(), Features(local=True, softcap=True, alibi=True, varlen=True)):
+            _, main = backward_keys("sm_90a", "bf16", d, True, True, kernel="sm90", features=f)
+            assert main.kernel == "sm90" and main.traits.swap_dkv
+        # a GPU with less shared memory than H100 falls back to the SM80 kernel
+        assert backward_keys("sm_90a", "bf16", d, False, False, kernel="sm90",
+                             smem_capacity=200 * 1024)[1].kernel == "sm80"
+    assert backward_keys("sm_90a", "bf16", 160, False, False, kernel="sm90")[1].traits == SM90_BACKWARD[192][False]
+    large = parse_backward_traits("m64n48s2d1t", 256)
+    assert large == Sm90BackwardTraits(256, 64, 48, 2, do_stages=1, swap_dkv=True) and large.spec == "m64n48s2d1t"
+    assert large.dout_stages == 1 and parse_backward_traits("m64n128s2", 64).dout_stages == 2
     assert backward_keys("sm_90a", "bf16", 72, True, False, kernel="sm90")[1].traits == SM90_BACKWARD[96][True]
     assert backward_keys("sm_80", "bf16", 64, False, False, kernel="sm90")[1].kernel == "sm80"
     assert backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90", smem_capacity=100 * 1024)[1].kernel == "sm80"

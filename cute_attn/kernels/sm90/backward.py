@@ -75,6 +75,7 @@ class Barrier(enum.IntEnum):
     EPILOGUE = 2  # both MMA warpgroups: done reading K and V (dK, dV reuse their buffers)
     DQ_FULL_WG1 = 3  # MMA warpgroup i + the dQ writer: its dQ is in shared memory (3, 4)
     DQ_EMPTY_WG1 = 5  # MMA warpgroup i + the dQ writer: its dQ buffer may be written (5, 6)
+    PDS_FREE = 7  # backward_large.py, both MMA warpgroups: the last Q block's P and dS are read
 
 
 def dq_accum_slots(mdQ_accum: cute.Tensor, seq: SeqlenInfo, head, m_block, tile_m: int, head_dim: int,
@@ -154,11 +155,17 @@ class FlashAttentionBackwardSm90:
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_stages = num_stages
+        # shared-memory buffers of Q (+ LSE) and of dO (+ D): both num_stages here
+        # (backward_large.py gives dO fewer)
+        self.q_stages = self.do_stages = num_stages
         self.causal = causal
         self.deterministic = deterministic
         self.features = features
         self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
         self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
+
+    # the dK and dV accumulators hold dK^T and dV^T (head dim x keys; backward_large.py)
+    dkv_transposed = False
 
     def _dq_cols_per_warpgroup(self) -> int:
         """Head-dim columns of dQ = dS K per MMA warpgroup (``dq_tiled_mma``)."""
@@ -239,7 +246,7 @@ class FlashAttentionBackwardSm90:
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE_log2, mD, mdQ_accum, mSemaphore,
             softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left, window_right,
             softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
-            sQ_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
+            sQ_layout, sQ_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
         ).launch(
             grid=(cute.ceil_div(max_seqlen_k if varlen else mK.shape[0], n), cute.size(mK.shape[2]),
                   cute.size(num_batches)),
@@ -279,6 +286,7 @@ class FlashAttentionBackwardSm90:
         atom_dK: cute.CopyAtom,
         atom_dV: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
         mma_sdp: cute.TiledMma,
@@ -304,20 +312,19 @@ class FlashAttentionBackwardSm90:
         row_bytes = self.tile_m * Float32.width // 8  # LSE or D of one Q block
         pipe_kv = make_pipeline(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
                                 tx_count=2 * tile_bytes * self.tile_n)
-        pipe_q = make_pipeline(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
+        pipe_q = make_pipeline(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages,
                                tx_count=tile_bytes * self.tile_m + row_bytes)
-        pipe_do = make_pipeline(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
+        pipe_do = make_pipeline(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.do_stages,
                                 tx_count=tile_bytes * self.tile_m + row_bytes)
         pipeline.pipeline_init_arrive(is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        rows = cute.make_layout((self.tile_m, self.num_stages))
-        sLSE = storage.sLSE.get_tensor(rows)
-        sD = storage.sD.get_tensor(rows)
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
+        sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
         sdQ = storage.sdQ.get_tensor(cute.make_layout((self.tile_m * self.head_dim // NUM_MMA_WARPGROUPS,
                                                        NUM_MMA_WARPGROUPS)))
         pipeline.pipeline_init_wait()
@@ -392,8 +399,8 @@ class FlashAttentionBackwardSm90:
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         # (bound before the loop: the DSL would carry an object whose method a loop body calls)
         q_rows, padded_q_rows = seq.q_rows, seq.padded_q_rows
         for g in cutlass.range(group, unroll=1):
@@ -620,17 +627,19 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def _epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
                   n_block, head_kv, seq: SeqlenInfo):
-        """dK * softmax_scale; dK and dV -> shared memory (K's and V's buffers, stmatrix) -> global
-        (TMA stores, which clip rows past seqlen_k and columns past the actual head dim; varlen:
-        through the ragged view, which ends at the sequence's last key)."""
+        """dK * softmax_scale; dK and dV -> shared memory (K's and V's buffers, stmatrix; transposed
+        accumulators through stmatrix.trans) -> global (TMA stores, which clip rows past seqlen_k
+        and columns past the actual head dim; varlen: through the ragged view, which ends at the
+        sequence's last key)."""
         acc_dK.store(acc_dK.load() * softmax_scale)
         rdK, rdV = convert(acc_dK, self.dtype), convert(acc_dV, self.dtype)
         barrier = partial(cute.arch.barrier, barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         barrier()  # both warpgroups are done reading K and V
-        stsm = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+        stsm = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(self.dkv_transposed, 4), self.dtype),
                                       mma_dkv).get_slice(tidx)
-        cute.copy(stsm, stsm.retile(rdK), stsm.partition_D(sK))
-        cute.copy(stsm, stsm.retile(rdV), stsm.partition_D(sV))
+        dst = transpose_smem if const_expr(self.dkv_transposed) else (lambda t: t)
+        cute.copy(stsm, stsm.retile(rdK), stsm.partition_D(dst(sK)))
+        cute.copy(stsm, stsm.retile(rdV), stsm.partition_D(dst(sV)))
         cute.arch.fence_view_async_shared()
         barrier()
         if tidx == 0:

@@ -34,12 +34,13 @@ def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, slice_co
 
 
 def tiled_mma(dtype, num_warpgroups: int, n: int, b_major_mn: bool, a_in_registers: bool,
-              warpgroups_along_n: bool = False) -> cute.TiledMma:
+              warpgroups_along_n: bool = False, a_major_mn: bool = False) -> cute.TiledMma:
     """wgmma with warpgroups stacked along M (64 rows each) and the whole N in one instruction; or,
-    with ``warpgroups_along_n``, side by side along N (each takes ``n`` columns of every row)."""
+    with ``warpgroups_along_n``, side by side along N (each takes ``n`` columns of every row).
+    ``a_major_mn``: A read MN-major from shared memory (a transposed view, e.g. dO^T)."""
     return hopper.make_trivial_tiled_mma(
         dtype, dtype,
-        OperandMajorMode.K,
+        OperandMajorMode.MN if a_major_mn else OperandMajorMode.K,
         OperandMajorMode.MN if b_major_mn else OperandMajorMode.K,
         Float32,
         atom_layout_mnk=(1, num_warpgroups, 1) if warpgroups_along_n else (num_warpgroups, 1, 1),

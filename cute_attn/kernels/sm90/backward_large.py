@@ -1,0 +1,339 @@
+"""Hopper backward for large head dims (192, 256): FlashAttention-3/4's decomposition with dK and
+dV transposed, written with the CuTe DSL.
+
+kernels/sm90/backward.py computes S^T and dP^T with 64 keys per MMA warpgroup and keeps dK and dV
+(keys x head dim) in registers: 2 * head_dim / 2 fp32 registers per thread, which at head dim 192
+or 256 leaves nothing for S^T, dP^T and dQ. This kernel turns the GEMMs around so that the
+registers of dK and dV shrink with the K/V block instead:
+
+    S  = Q K^T,  P  = exp2(S * scale_log2 - LSE_log2)    (64 Q rows on the wgmma M axis; the two
+    dP = dO V^T, dS = P * (dP - D)                        MMA warpgroups split the keys along N)
+    dV^T += dO^T P,  dK^T += Q^T dS                       (head dim on M, from shared memory)
+    dQ = dS K                                             (the warpgroups split the head dim)
+
+P and dS go to shared memory (one buffer each), where dV^T and dK^T read them as the B operand
+and dQ reads dS as its A operand. dK^T and dV^T take head_dim * tile_n / 256 fp32 registers each
+per thread: the two warpgroups split the head dim into 64-row wgmma tiles where it halves into
+them (d256: 128 rows each) and the keys otherwise (d192: 48 keys each). With the tiles of
+traits.SM90_BACKWARD that is 144 (d192, 96 keys) and 96 (d256, 48 keys) registers.
+
+Everything else is the kernel of backward.py, which this class extends: the grid (one CTA per K/V
+block, K/V head and batch; every Q block of every query head of the K/V head, GQA/MQA summed in
+registers), the producer warp (Q + LSE in ``num_stages`` buffers, dO + D in ``do_stages``), the dQ
+writer warp (fp32 bulk reductions into the global accumulator, in the semaphore order when
+deterministic), the dQ accumulator's slot order (this kernel's dQ MMA is backward.py's for 64-row
+Q blocks, so ``BackwardPostprocessSm90`` reads it as it is), the features (local window, softcap,
+ALiBi, varlen; masks on the non-transposed tile through ``mask.apply_mask``, as the forward) and
+the epilogue (dK, dV through K's and V's buffers and TMA stores; here with stmatrix.trans).
+"""
+
+import math
+from typing import Type
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from cute_attn.kernels.features import NO_FEATURES, Features
+from cute_attn.kernels.layout import acc_to_rows_cols, convert, transpose_smem
+from cute_attn.kernels.mask import alibi_slope_units, apply_mask, apply_softcap
+from cute_attn.kernels.seqlen_info import ragged_view
+from cute_attn.kernels.sm90 import common
+from cute_attn.kernels.sm90.backward import (
+    NUM_MMA_WARPGROUPS,
+    Barrier,
+    FlashAttentionBackwardSm90,
+    dq_slot_copy,
+    dq_tiled_mma,
+)
+from cute_attn.kernels.sm90.common import WARPGROUP_THREADS
+
+# stages of the one shared P + dS buffer: P at 0, dS at 1
+P_STAGE, DS_STAGE = 0, 1
+
+
+class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
+    """Compile-time configuration of one large-head-dim backward variant; ``__call__`` (the same
+    arguments as ``FlashAttentionBackwardSm90``'s) launches it.
+
+    head_dim: the padded head dim, a multiple of 64. tile_m: 64 Q rows per block. tile_n: keys per
+    CTA, a multiple of 16 (each warpgroup's half of S a multiple of 8). num_stages / do_stages:
+    shared-memory buffers for Q (+ LSE) and for dO (+ D). features: kernels/features.py.
+    """
+
+    dkv_transposed = True
+
+    def __init__(
+        self,
+        dtype: Type[cutlass.Numeric],
+        head_dim: int,
+        tile_m: int,
+        tile_n: int,
+        num_stages: int,
+        do_stages: int,
+        causal: bool,
+        deterministic: bool,
+        features: Features = NO_FEATURES,
+    ):
+        assert tile_m == 64, "tile_m: one 64-row wgmma tile of Q rows"
+        assert head_dim % 64 == 0, "head_dim: whole 64-row wgmma tiles of dK^T and dV^T"
+        assert tile_n % (8 * NUM_MMA_WARPGROUPS) == 0 and tile_n % 16 == 0
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.q_stages, self.do_stages = num_stages, do_stages
+        self.causal = causal
+        self.deterministic = deterministic
+        self.features = features
+        self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
+        self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
+        # dK^T, dV^T: the warpgroups split the head dim into whole 64-row tiles, else the keys
+        self.dkv_split_keys = (head_dim // NUM_MMA_WARPGROUPS) % 64 != 0
+        assert not self.dkv_split_keys or (tile_n // NUM_MMA_WARPGROUPS) % 8 == 0
+
+    def _dq_cols_per_warpgroup(self) -> int:
+        return self.head_dim // NUM_MMA_WARPGROUPS
+
+    def _keys_per_warpgroup(self) -> int:
+        """Keys (columns of S and dP) per MMA warpgroup."""
+        return self.tile_n // NUM_MMA_WARPGROUPS
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mV: cute.Tensor,
+        mdO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
+        mLSE_log2: cute.Tensor,  # (batch, heads, seqlen_q_padded) fp32
+        mD: cute.Tensor,  # (batch, heads, seqlen_q_padded) fp32
+        mdQ_accum: cute.Tensor,  # (batch, heads, seqlen_q_padded, head_dim_padded) fp32
+        mdK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
+        mdV: cute.Tensor,
+        mSemaphore: cute.Tensor,  # (batch, heads, seqlen_q_padded / tile_m) int32, deterministic only
+        softmax_scale: Float32,
+        softmax_scale_log2: Float32,  # softcap: softcap * log2(e)
+        mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
+        mCuSeqlensK: cute.Tensor | None,
+        mSeqUsedK: cute.Tensor | None,  # seqused: (batch,) int32, the keys each sequence attends to
+        mAlibiSlopes: cute.Tensor | None,  # ALiBi: (batch, heads) fp32
+        max_seqlen_k: Int32,  # varlen: the longest sequence's keys (the grid)
+        window_left: Int32,  # local: the window's edges (an unbounded side is huge)
+        window_right: Int32,
+        softcap_scale: Float32,  # softcap: softmax_scale / softcap
+        stream: cuda.CUstream,
+    ):
+        varlen = const_expr(self.features.varlen)
+        num_batches = mCuSeqlensQ.shape[0] - 1 if varlen else mQ.shape[0]
+        # TMA copies tiles of the first two modes: view the tensors as (seqlen, head_dim, heads, batch)
+        mQ, mK, mV, mdO, mdK, mdV = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mdO, mdK, mdV)
+        ]
+        if const_expr(varlen):
+            mdK, mdV = ragged_view(mdK), ragged_view(mdV)
+        d, m, n = self.head_dim, self.tile_m, self.tile_n
+        keys_wg = self._keys_per_warpgroup()
+        keys_dkv = keys_wg if const_expr(self.dkv_split_keys) else n
+        # Q and dO: K-major A of S and dP, MN-major A (Q^T, dO^T) of dK^T and dV^T in 64-row tiles
+        sQ_layout = common.smem_layout(self.dtype, m, d, self.q_stages)
+        sdO_layout = common.smem_layout(self.dtype, m, d, self.do_stages)
+        # K and V (then dK and dV): K-major B of S and dP; K also MN-major B of dQ = dS K in each
+        # warpgroup's head-dim columns
+        sKV_layout = common.smem_layout(self.dtype, n, d, slice_cols=self._dq_cols_per_warpgroup())
+        # P and dS (queries x keys): written in each warpgroup's keys, read MN-major by dV^T and
+        # dK^T in theirs and K-major by dQ: the swizzle must start at both column slices
+        sPdS_layout = common.smem_layout(self.dtype, m, n, 2, slice_cols=math.gcd(keys_wg, keys_dkv))
+        sQ_stage = cute.select(sQ_layout, mode=[0, 1])
+        sdO_stage = cute.select(sdO_layout, mode=[0, 1])
+
+        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_stage, (m, d))
+        atom_dO, tma_dO = cpasync.make_tiled_tma_atom(load, mdO, sdO_stage, (m, d))
+        atom_K, tma_K = cpasync.make_tiled_tma_atom(load, mK, sKV_layout, (n, d))
+        atom_V, tma_V = cpasync.make_tiled_tma_atom(load, mV, sKV_layout, (n, d))
+        atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store, mdK, sKV_layout, (n, d))
+        atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store, mdV, sKV_layout, (n, d))
+
+        # S = Q K^T and dP = dO V^T: 64 Q rows, the warpgroups side by side along the keys
+        mma_sdp = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, keys_wg, b_major_mn=False, a_in_registers=False,
+                                   warpgroups_along_n=True)
+        # dV^T += dO^T P and dK^T += Q^T dS: both operands MN-major from shared memory
+        mma_dkv = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, keys_dkv, b_major_mn=True, a_in_registers=False,
+                                   warpgroups_along_n=self.dkv_split_keys, a_major_mn=True)
+        mma_dq = dq_tiled_mma(self.dtype, m, d)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, m * self.q_stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, m * self.do_stages], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]  # P, dS
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
+
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE_log2, mD, mdQ_accum, mSemaphore,
+            softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left,
+            window_right, softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
+            sQ_layout, sdO_layout, sKV_layout, sPdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
+        ).launch(
+            grid=(cute.ceil_div(max_seqlen_k if varlen else mK.shape[0], n), cute.size(mK.shape[2]),
+                  cute.size(num_batches)),
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ MMA warpgroups
+    @cute.jit
+    def _mma(self, mdK, mdV, mAlibiSlopes, sQ, sK, sV, sdO, sPdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
+             mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
+             softcap_scale, work):
+        n_block, head_kv, seq, head0, group, m_min, num_m = work
+        tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # index among the MMA threads
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+        # wgmma operands are described per warpgroup (shared-memory descriptors), accumulators per thread
+        wg_first_thread = cute.make_layout(NUM_MMA_WARPGROUPS, stride=WARPGROUP_THREADS)(wg)
+        wg_sdp, wg_dkv, wg_dq = (mma.get_slice(wg_first_thread) for mma in (mma_sdp, mma_dkv, mma_dq))
+        thr_sdp, thr_dkv, thr_dq = (mma.get_slice(tidx) for mma in (mma_sdp, mma_dkv, mma_dq))
+        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+        tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+        tdPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        # dV^T = dO^T P, dK^T = Q^T dS: A (head dim x queries) and B (keys x queries: P^T at stage
+        # P_STAGE, dS^T at DS_STAGE) are transposed views
+        tdVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sdO)))
+        tdKVrPdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sPdS)))
+        tdKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sQ)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sPdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
+        tile_dkv = (self.head_dim, self.tile_n)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_dkv), Float32)  # dK^T
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_dkv), Float32)  # dV^T
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        # P and dS (queries x keys, as computed) -> shared memory: stmatrix, 16x8 per warp where a
+        # warpgroup's keys are not a multiple of 16
+        matrices = 4 if const_expr(self._keys_per_warpgroup() % 16 == 0) else 2
+        stsm_PdS = cute.make_tiled_copy_C(cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, matrices), self.dtype),
+                                          mma_sdp).get_slice(tidx)
+        tPdSsPdS = stsm_PdS.partition_D(sPdS)
+        copy_dQ = dq_slot_copy(NUM_MMA_WARPGROUPS).get_slice(tidx)
+        tdQsdQ = copy_dQ.partition_D(sdQ)
+        # each accumulator element's (query, key) in the tile, for the masks
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS, tScS_thread0 = thr_sdp.partition_C(cS), mma_sdp.get_slice(0).partition_C(cS)
+
+        ctx = (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKVrPdS, tdKrQt, tdQrdS,
+               tdQrKt, acc_dK, acc_dV, stsm_PdS, tPdSsPdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD, pipe_q, pipe_do,
+               softmax_scale_log2, n_block, seq.seqlen_q, seq.seqlen_k, wg, window_left, window_right, softcap_scale)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        for g in cutlass.range(group, unroll=1):
+            alibi_slope = None
+            if const_expr(self.features.alibi):
+                alibi_slope = alibi_slope_units(mAlibiSlopes, seq.batch, head0 + g, softmax_scale_log2)
+            for i in cutlass.range(num_m, unroll=1):
+                self._backward_block(ctx, q_state, do_state, m_min + i, alibi_slope)
+                q_state.advance()
+                do_state.advance()
+        # (a K/V block that no query sees still stores its dK = dV = 0)
+        self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
+                       n_block, head_kv, seq)
+
+    @cute.jit
+    def _backward_block(self, ctx, q_state, do_state, m_block: Int32, alibi_slope):
+        """The five GEMMs of one Q block. wgmma groups complete in issue order, so each
+        ``wait=1`` below means "everything but the GEMM just issued is done"."""
+        (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKVrPdS, tdKrQt, tdQrdS,
+         tdQrKt, acc_dK, acc_dV, stsm_PdS, tPdSsPdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD, pipe_q, pipe_do,
+         softmax_scale_log2, n_block, seqlen_q, seqlen_k, wg, window_left, window_right, softcap_scale) = ctx
+        q_stage, do_stage = q_state.index, do_state.index
+
+        # S = Q K^T and dP = dO V^T (this warpgroup's keys), back to back
+        pipe_q.consumer_wait(q_state)
+        acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        common.wgmma(mma_sdp, acc_S, tSrQ[None, None, None, q_stage], tSrK, zero_init=True, wait=-1)
+        pipe_do.consumer_wait(do_state)
+        acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        common.wgmma(mma_sdp, acc_dP, tdPrdO[None, None, None, do_stage], tdPrV, zero_init=True, wait=1)
+        # the LSE and D of this thread's two rows
+        lse_log2 = self._per_row(thr_sdp, sLSE, q_stage)
+        d = self._per_row(thr_sdp, sD, do_stage)
+
+        # P = exp2(S * scale_log2 - LSE_log2[query]) while dP is in flight. Softcap first
+        # (S = tanh(S * softcap_scale); scale_log2 is then softcap * log2(e)), then ALiBi and the masks
+        dtanh = None
+        if const_expr(self.features.softcap):
+            dtanh = cute.make_rmem_tensor_like(acc_S)
+            apply_softcap(acc_S, softcap_scale, dtanh)
+        apply_mask(acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                   self.causal, window_left, window_right, alibi_slope)
+        S = acc_to_rows_cols(acc_S)
+        for r in cutlass.range_constexpr(cute.size(S.shape[0])):
+            for c in cutlass.range_constexpr(cute.size(S.shape[1])):
+                S[r, c] = cute.math.exp2(S[r, c] * softmax_scale_log2 - lse_log2[r], fastmath=True)
+        rP = convert(acc_S, self.dtype)
+        # P and dS have one buffer each: both warpgroups must be done with the last Q block's
+        # (the other warpgroup's dV^T / dK^T read this warpgroup's keys too, and dQ all of dS)
+        cute.arch.barrier(barrier_id=int(Barrier.PDS_FREE), number_of_threads=self.num_mma_threads)
+        cute.copy(stsm_PdS, stsm_PdS.retile(rP), tPdSsPdS[None, None, None, P_STAGE])
+        if const_expr(self.features.softcap):
+            # dS = P * (1 - tanh^2) * (dP - D): the derivative folded into P
+            acc_S.store(acc_S.load() * dtanh.load())
+
+        # dS = P * (dP - D[query])
+        warpgroup.wait_group(0)
+        dP = acc_to_rows_cols(acc_dP)
+        for r in cutlass.range_constexpr(cute.size(dP.shape[0])):
+            for c in cutlass.range_constexpr(cute.size(dP.shape[1])):
+                dP[r, c] = S[r, c] * (dP[r, c] - d[r])
+        rdS = convert(acc_dP, self.dtype)
+        cute.copy(stsm_PdS, stsm_PdS.retile(rdS), tPdSsPdS[None, None, None, DS_STAGE])
+        cute.arch.fence_view_async_shared()  # P's and dS's generic-proxy writes, visible to wgmma
+        cute.arch.barrier(barrier_id=int(Barrier.PDS), number_of_threads=self.num_mma_threads)
+
+        # dV^T += dO^T P, dQ = dS K (all the CTA's keys), dK^T += Q^T dS
+        common.wgmma(mma_dkv, acc_dV, tdVrdOt[None, None, None, do_stage], tdKVrPdS[None, None, None, P_STAGE],
+                     zero_init=False, wait=-1)
+        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        common.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, DS_STAGE], tdQrKt, zero_init=True, wait=1)
+        common.release_stage(pipe_do, do_state)  # dO: read by dP and dV^T, both done
+        common.wgmma(mma_dkv, acc_dK, tdKrQt[None, None, None, q_stage], tdKVrPdS[None, None, None, DS_STAGE],
+                     zero_init=False, wait=1)
+
+        # dQ -> this warpgroup's shared buffer, once the dQ writer has handed it back
+        cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY_WG1) + wg, number_of_threads=WARPGROUP_THREADS + 32)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
+        cute.arch.fence_view_async_shared()  # visible to the bulk reduction (async proxy)
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL_WG1) + wg, number_of_threads=WARPGROUP_THREADS + 32)
+
+        warpgroup.wait_group(0)
+        common.release_stage(pipe_q, q_state)  # Q: read by S and dK^T, both done
+
+    @cute.jit
+    def _per_row(self, thr_sdp: cute.ThrMma, sRow: cute.Tensor, stage: Int32) -> cute.Tensor:
+        """sRow[query, stage] for each accumulator row (query) of this thread, in registers."""
+        rows_of_one = cute.make_tensor(sRow[None, stage].iterator,
+                                       cute.make_layout((self.tile_m, self.tile_n), stride=(1, 0)))
+        view = acc_to_rows_cols(thr_sdp.partition_C(rows_of_one))[None, 0]
+        values = cute.make_rmem_tensor(cute.size(view), Float32)
+        for r in cutlass.range_constexpr(cute.size(view)):
+            values[r] = view[r]
+        return values
