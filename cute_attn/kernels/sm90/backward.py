@@ -172,6 +172,24 @@ class FlashAttentionBackwardSm90:
         return self.head_dim if self.tile_m == 64 * NUM_MMA_WARPGROUPS else self.head_dim // NUM_MMA_WARPGROUPS
 
     # ------------------------------------------------------------------ host side
+    def _smem_layouts(self):
+        """Shared-memory layouts (Q, dO, K/V, dS) at trace time; the large-head-dim kernel has its own."""
+        d, m, n, s = self.head_dim, self.tile_m, self.tile_n, self.num_stages
+        sQ_layout = common.smem_layout(self.dtype, m, d, s)  # Q and dO
+        # K and V, then dK and dV; K is also read MN-major by dQ = dS K in each warpgroup's columns
+        sKV_layout = common.smem_layout(self.dtype, n, d, slice_cols=self._dq_cols_per_warpgroup())
+        sdS_layout = common.smem_layout(self.dtype, m, n, s)
+        return sQ_layout, sQ_layout, sKV_layout, sdS_layout
+
+    def _tiled_mmas(self):
+        """The S/dP, dK/dV and dQ tiled MMAs at trace time."""
+        m, d = self.tile_m, self.head_dim
+        # S^T = K Q^T and dP^T = V dO^T: one warpgroup per 64 keys, both operands K-major
+        mma_sdp = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, m, b_major_mn=False, a_in_registers=False)
+        # dV += P^T dO and dK += dS^T Q: P^T, dS^T from registers, dO and Q read MN-major
+        mma_dkv = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, d, b_major_mn=True, a_in_registers=True)
+        return mma_sdp, mma_dkv, dq_tiled_mma(self.dtype, m, d)
+
     @cute.jit
     def __call__(
         self,
@@ -207,46 +225,39 @@ class FlashAttentionBackwardSm90:
             # a TMA store clips at the tensor's end, not the sequence's: dK and dV go through a
             # ragged view so the last K/V block of a sequence stops at its last key
             mdK, mdV = ragged_view(mdK), ragged_view(mdV)
-        d, m, n, s = self.head_dim, self.tile_m, self.tile_n, self.num_stages
-        sQ_layout = common.smem_layout(self.dtype, m, d, s)  # Q and dO
-        # K and V, then dK and dV; K is also read MN-major by dQ = dS K in each warpgroup's columns
-        sKV_layout = common.smem_layout(self.dtype, n, d, slice_cols=self._dq_cols_per_warpgroup())
-        sdS_layout = common.smem_layout(self.dtype, m, n, s)
+        d, m, n = self.head_dim, self.tile_m, self.tile_n
+        sQ_layout, sdO_layout, sKV_layout, sdS_layout = self._smem_layouts()
         sQ_stage = cute.select(sQ_layout, mode=[0, 1])
+        sdO_stage = cute.select(sdO_layout, mode=[0, 1])
 
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_stage, (m, d))
-        atom_dO, tma_dO = cpasync.make_tiled_tma_atom(load, mdO, sQ_stage, (m, d))
+        atom_dO, tma_dO = cpasync.make_tiled_tma_atom(load, mdO, sdO_stage, (m, d))
         atom_K, tma_K = cpasync.make_tiled_tma_atom(load, mK, sKV_layout, (n, d))
         atom_V, tma_V = cpasync.make_tiled_tma_atom(load, mV, sKV_layout, (n, d))
         atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store, mdK, sKV_layout, (n, d))
         atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store, mdV, sKV_layout, (n, d))
-
-        # S^T = K Q^T and dP^T = V dO^T: one warpgroup per 64 keys, both operands K-major
-        mma_sdp = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, m, b_major_mn=False, a_in_registers=False)
-        # dV += P^T dO and dK += dS^T Q: P^T, dS^T from registers, dO and Q read MN-major
-        mma_dkv = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, d, b_major_mn=True, a_in_registers=True)
-        mma_dq = dq_tiled_mma(self.dtype, m, d)
+        mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * s]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * s]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, m * s], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, m * s], 128]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, m * self.q_stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, m * self.do_stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]  # (P,) dS
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
 
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE_log2, mD, mdQ_accum, mSemaphore,
-            softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left, window_right,
-            softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
-            sQ_layout, sQ_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
+            softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left,
+            window_right, softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
+            sQ_layout, sdO_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
         ).launch(
             grid=(cute.ceil_div(max_seqlen_k if varlen else mK.shape[0], n), cute.size(mK.shape[2]),
                   cute.size(num_batches)),

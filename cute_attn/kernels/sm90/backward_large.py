@@ -30,17 +30,14 @@ the epilogue (dK, dV through K's and V's buffers and TMA stores; here with stmat
 import math
 from typing import Type
 
-import cuda.bindings.driver as cuda
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import warp, warpgroup
 
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_rows_cols, convert, transpose_smem
 from cute_attn.kernels.mask import alibi_slope_units, apply_mask, apply_softcap
-from cute_attn.kernels.seqlen_info import ragged_view
 from cute_attn.kernels.sm90 import common
 from cute_attn.kernels.sm90.backward import (
     NUM_MMA_WARPGROUPS,
@@ -104,42 +101,11 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         return self.tile_n // NUM_MMA_WARPGROUPS
 
     # ------------------------------------------------------------------ host side
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
-        mK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
-        mV: cute.Tensor,
-        mdO: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
-        mLSE_log2: cute.Tensor,  # (batch, heads, seqlen_q_padded) fp32
-        mD: cute.Tensor,  # (batch, heads, seqlen_q_padded) fp32
-        mdQ_accum: cute.Tensor,  # (batch, heads, seqlen_q_padded, head_dim_padded) fp32
-        mdK: cute.Tensor,  # (batch, seqlen_k, heads_kv, head_dim)
-        mdV: cute.Tensor,
-        mSemaphore: cute.Tensor,  # (batch, heads, seqlen_q_padded / tile_m) int32, deterministic only
-        softmax_scale: Float32,
-        softmax_scale_log2: Float32,  # softcap: softcap * log2(e)
-        mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
-        mCuSeqlensK: cute.Tensor | None,
-        mSeqUsedK: cute.Tensor | None,  # seqused: (batch,) int32, the keys each sequence attends to
-        mAlibiSlopes: cute.Tensor | None,  # ALiBi: (batch, heads) fp32
-        max_seqlen_k: Int32,  # varlen: the longest sequence's keys (the grid)
-        window_left: Int32,  # local: the window's edges (an unbounded side is huge)
-        window_right: Int32,
-        softcap_scale: Float32,  # softcap: softmax_scale / softcap
-        stream: cuda.CUstream,
-    ):
-        varlen = const_expr(self.features.varlen)
-        num_batches = mCuSeqlensQ.shape[0] - 1 if varlen else mQ.shape[0]
-        # TMA copies tiles of the first two modes: view the tensors as (seqlen, head_dim, heads, batch)
-        mQ, mK, mV, mdO, mdK, mdV = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mdO, mdK, mdV)
-        ]
-        if const_expr(varlen):
-            mdK, mdV = ragged_view(mdK), ragged_view(mdV)
+    # ``__call__`` is FlashAttentionBackwardSm90's, with these layouts and MMAs
+    def _smem_layouts(self):
         d, m, n = self.head_dim, self.tile_m, self.tile_n
         keys_wg = self._keys_per_warpgroup()
-        keys_dkv = keys_wg if const_expr(self.dkv_split_keys) else n
+        keys_dkv = keys_wg if self.dkv_split_keys else n
         # Q and dO: K-major A of S and dP, MN-major A (Q^T, dO^T) of dK^T and dV^T in 64-row tiles
         sQ_layout = common.smem_layout(self.dtype, m, d, self.q_stages)
         sdO_layout = common.smem_layout(self.dtype, m, d, self.do_stages)
@@ -149,52 +115,19 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         # P and dS (queries x keys): written in each warpgroup's keys, read MN-major by dV^T and
         # dK^T in theirs and K-major by dQ: the swizzle must start at both column slices
         sPdS_layout = common.smem_layout(self.dtype, m, n, 2, slice_cols=math.gcd(keys_wg, keys_dkv))
-        sQ_stage = cute.select(sQ_layout, mode=[0, 1])
-        sdO_stage = cute.select(sdO_layout, mode=[0, 1])
+        return sQ_layout, sdO_layout, sKV_layout, sPdS_layout
 
-        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_stage, (m, d))
-        atom_dO, tma_dO = cpasync.make_tiled_tma_atom(load, mdO, sdO_stage, (m, d))
-        atom_K, tma_K = cpasync.make_tiled_tma_atom(load, mK, sKV_layout, (n, d))
-        atom_V, tma_V = cpasync.make_tiled_tma_atom(load, mV, sKV_layout, (n, d))
-        atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store, mdK, sKV_layout, (n, d))
-        atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store, mdV, sKV_layout, (n, d))
-
+    def _tiled_mmas(self):
+        m, d, n = self.tile_m, self.head_dim, self.tile_n
+        keys_wg = self._keys_per_warpgroup()
+        keys_dkv = keys_wg if self.dkv_split_keys else n
         # S = Q K^T and dP = dO V^T: 64 Q rows, the warpgroups side by side along the keys
         mma_sdp = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, keys_wg, b_major_mn=False, a_in_registers=False,
                                    warpgroups_along_n=True)
         # dV^T += dO^T P and dK^T += Q^T dS: both operands MN-major from shared memory
         mma_dkv = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, keys_dkv, b_major_mn=True, a_in_registers=False,
                                    warpgroups_along_n=self.dkv_split_keys, a_major_mn=True)
-        mma_dq = dq_tiled_mma(self.dtype, m, d)
-
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, m * self.q_stages], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, m * self.do_stages], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]  # P, dS
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
-
-        self.kernel(
-            tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE_log2, mD, mdQ_accum, mSemaphore,
-            softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left,
-            window_right, softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
-            sQ_layout, sdO_layout, sKV_layout, sPdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
-        ).launch(
-            grid=(cute.ceil_div(max_seqlen_k if varlen else mK.shape[0], n), cute.size(mK.shape[2]),
-                  cute.size(num_batches)),
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        return mma_sdp, mma_dkv, dq_tiled_mma(self.dtype, m, d)
 
     # ------------------------------------------------------------------ MMA warpgroups
     @cute.jit
