@@ -525,10 +525,19 @@ class FlashAttentionBackwardSm90:
                pipe_q, pipe_do, softmax_scale_log2, n_block, seq.seqlen_q, seq.seqlen_k, wg, window_left, window_right,
                softcap_scale)
 
+        self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2)
+        # (a K/V block that no query sees still stores its dK = dV = 0)
+        self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
+                       n_block, head_kv, seq)
+
+    @cute.jit
+    def _walk_q_blocks(self, ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2):
+        """Once K and V are in: ``_backward_block`` on the ``num_m`` Q blocks from ``m_min`` of
+        each of the ``group`` query heads of this K/V head."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
         # One loop body for every Q block, masked or not: a second, unmasked copy of the body
         # (as the forward has) measured slower here, the masks being one compare and select
         # per element against the ~100 cycles per element of the five GEMMs.
@@ -540,9 +549,6 @@ class FlashAttentionBackwardSm90:
                 self._backward_block(ctx, q_state, do_state, m_min + i, alibi_slope)
                 q_state.advance()
                 do_state.advance()
-        # (a K/V block that no query sees still stores its dK = dV = 0)
-        self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
-                       n_block, head_kv, seq)
 
     @cute.jit
     def _backward_block(self, ctx, q_state, do_state, m_block: Int32, alibi_slope):

@@ -32,12 +32,12 @@ from typing import Type
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_rows_cols, convert, transpose_smem
-from cute_attn.kernels.mask import alibi_slope_units, apply_mask, apply_softcap
+from cute_attn.kernels.mask import apply_mask, apply_softcap
 from cute_attn.kernels.sm90 import common
 from cute_attn.kernels.sm90.backward import (
     NUM_MMA_WARPGROUPS,
@@ -174,18 +174,7 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
                tdQrKt, acc_dK, acc_dV, stsm_PdS, tPdSsPdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD, pipe_q, pipe_do,
                softmax_scale_log2, n_block, seq.seqlen_q, seq.seqlen_k, wg, window_left, window_right, softcap_scale)
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_kv.consumer_wait(kv_state)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
-        for g in cutlass.range(group, unroll=1):
-            alibi_slope = None
-            if const_expr(self.features.alibi):
-                alibi_slope = alibi_slope_units(mAlibiSlopes, seq.batch, head0 + g, softmax_scale_log2)
-            for i in cutlass.range(num_m, unroll=1):
-                self._backward_block(ctx, q_state, do_state, m_min + i, alibi_slope)
-                q_state.advance()
-                do_state.advance()
+        self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2)
         # (a K/V block that no query sees still stores its dK = dV = 0)
         self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
                        n_block, head_kv, seq)
