@@ -715,12 +715,24 @@ def _backward_keys(plan, q, opts: _Scores, deterministic: bool, traits=None):
                                      features=opts.features)
 
 
+_PREFETCHED: set = set()  # configurations whose backward _prefetch_backward has asked for
+
+
 def _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, softcap, alibi_slopes,
                        varlen: bool = False, seqused: bool = False) -> None:
     """An autograd forward's backward will follow: have its kernels compiled meanwhile, beside the
     forward's own first compile (in a background process when the disk cache is on,
     compile.KernelCache.prefetch), so the first backward loads them. Called before the forward
-    (which validates everything): a bad option is left for the forward to report."""
+    (which validates everything): a bad option is left for the forward to report. Once per
+    configuration: later calls cost one set lookup."""
+    try:
+        seen = (q.device, q.dtype, q.shape[-1], causal, bool(deterministic), tuple(window_size), softcap,
+                alibi_slopes is None, varlen, seqused)
+        if seen in _PREFETCHED:
+            return
+        _PREFETCHED.add(seen)
+    except TypeError:  # unhashable options: the forward reports them
+        return
     try:
         opts = _score_options(causal, softmax_scale, q.shape[-1], window_size, softcap, alibi_slopes is not None,
                               varlen=varlen, seqused=seqused)
@@ -728,7 +740,7 @@ def _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, sof
             return
         pre, main = _backward_keys(dispatch.plan_for_device(q.device), q.unsqueeze(0) if varlen else q, opts,
                                    bool(deterministic))
-    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+    except Exception:  # noqa: BLE001  (a prefetch never fails the call; the forward reports bad input)
         return
     if main not in compile_mod.backward_cache:
         compile_mod.backward_cache.prefetch([pre, main], now_otherwise=False)
