@@ -203,21 +203,27 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return cu_seqlens_q.numel() - 1
 
 
+def _check_int32(name: str, t, shape: tuple, device: torch.device, what: str = "", shape_name: str = "") -> None:
+    """An int32 index tensor of ``shape`` (``shape_name``: how the message names it, e.g.
+    "(batch,)") on ``device``, contiguous in its last dim (1-D: contiguous)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{what}, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        named = f"{shape_name} = {shape}" if shape_name else f"{shape}"
+        raise ValueError(f"{name} must have shape {named}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
 def _check_seqused_k(seqused_k, batch: int, q: torch.Tensor) -> None:
     """FlashAttention-3's seqused_k: int32 (batch,) on q's device. Not checked (a host sync): each
     value between 0 and its sequence's length in cu_seqlens_k."""
-    if seqused_k is None:
-        return
-    if not isinstance(seqused_k, torch.Tensor):
-        raise TypeError(f"seqused_k must be a torch.Tensor or None, got {type(seqused_k).__name__}")
-    if seqused_k.dtype != torch.int32:
-        raise TypeError(f"seqused_k must be int32, got {seqused_k.dtype}")
-    if tuple(seqused_k.shape) != (batch,):
-        raise ValueError(f"seqused_k must have shape (batch,) = ({batch},), got {tuple(seqused_k.shape)}")
-    if seqused_k.device != q.device:
-        raise ValueError(f"seqused_k must be on {q.device}, got {seqused_k.device}")
-    if batch > 1 and seqused_k.stride(0) != 1:
-        raise ValueError(f"seqused_k must be contiguous, got stride {seqused_k.stride()}")
+    if seqused_k is not None:
+        _check_int32("seqused_k", seqused_k, (batch,), q.device, " or None", shape_name="(batch,)")
 
 
 # ---------------------------------------------------------------------------- forward

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cute_attn.interface import _check_cuda, _check_kind, _check_layout
+from cute_attn.interface import _check_cuda, _check_int32, _check_kind, _check_layout
 from cute_attn.traits import MAX_HEAD_DIM
 
 PAGE_MULTIPLE = 16  # a paged cache's page size must be a multiple of this many keys
@@ -92,20 +92,6 @@ def _check_same(name: str, t: torch.Tensor, q: torch.Tensor) -> None:
         raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
     if t.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-
-
-def _check_int32(name: str, t, shape: tuple, device: torch.device, what: str = "") -> None:
-    """An int32 index tensor of ``shape`` on ``device``, contiguous in its last dim (1-D: contiguous)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor{what}, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
 def check_kvcache_args(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,

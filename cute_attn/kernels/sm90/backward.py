@@ -127,6 +127,15 @@ def dq_tiled_mma(dtype, tile_m: int, head_dim: int) -> cute.TiledMma:
                             a_in_registers=False, warpgroups_along_n=True)
 
 
+def mma_thread_slices(*mmas: cute.TiledMma):
+    """In an MMA thread: its index among the MMA threads, its warpgroup, and each tiled MMA sliced
+    per warpgroup (wgmma operands: shared-memory descriptors) and per thread (accumulators)."""
+    tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
+    wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
+    wg_first_thread = cute.make_layout(NUM_MMA_WARPGROUPS, stride=WARPGROUP_THREADS)(wg)
+    return tidx, wg, tuple(m.get_slice(wg_first_thread) for m in mmas), tuple(m.get_slice(tidx) for m in mmas)
+
+
 class FlashAttentionBackwardSm90:
     """Compile-time configuration of one main backward variant; ``__call__`` launches it.
 
@@ -489,12 +498,7 @@ class FlashAttentionBackwardSm90:
              mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
              softcap_scale, work):
         n_block, head_kv, seq, head0, group, m_min, num_m = work
-        tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # index among the MMA threads
-        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        # wgmma operands are described per warpgroup (shared-memory descriptors), accumulators per thread
-        wg_first_thread = cute.make_layout(NUM_MMA_WARPGROUPS, stride=WARPGROUP_THREADS)(wg)
-        wg_sdp, wg_dkv, wg_dq = (mma.get_slice(wg_first_thread) for mma in (mma_sdp, mma_dkv, mma_dq))
-        thr_sdp, thr_dkv, thr_dq = (mma.get_slice(tidx) for mma in (mma_sdp, mma_dkv, mma_dq))
+        tidx, wg, (wg_sdp, wg_dkv, wg_dq), (thr_sdp, thr_dkv, thr_dq) = mma_thread_slices(mma_sdp, mma_dkv, mma_dq)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
         tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))

@@ -45,6 +45,7 @@ from cute_attn.kernels.sm90.backward import (
     FlashAttentionBackwardSm90,
     dq_slot_copy,
     dq_tiled_mma,
+    mma_thread_slices,
 )
 from cute_attn.kernels.sm90.common import WARPGROUP_THREADS
 
@@ -135,12 +136,7 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
              mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
              softcap_scale, work):
         n_block, head_kv, seq, head0, group, m_min, num_m = work
-        tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # index among the MMA threads
-        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
-        # wgmma operands are described per warpgroup (shared-memory descriptors), accumulators per thread
-        wg_first_thread = cute.make_layout(NUM_MMA_WARPGROUPS, stride=WARPGROUP_THREADS)(wg)
-        wg_sdp, wg_dkv, wg_dq = (mma.get_slice(wg_first_thread) for mma in (mma_sdp, mma_dkv, mma_dq))
-        thr_sdp, thr_dkv, thr_dq = (mma.get_slice(tidx) for mma in (mma_sdp, mma_dkv, mma_dq))
+        tidx, wg, (wg_sdp, wg_dkv, wg_dq), (thr_sdp, thr_dkv, thr_dq) = mma_thread_slices(mma_sdp, mma_dkv, mma_dq)
         tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
         tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
         tdPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
