@@ -30,12 +30,13 @@ def apply_softcap(acc_S: cute.Tensor, softcap_scale: Float32, dtanh: cute.Tensor
     """S = tanh(S * softcap_scale) in place; with ``dtanh`` (a fragment like ``acc_S``) also
     1 - tanh^2, the derivative the backward multiplies dS by.
 
-    tanh(x) = 1 - 2 / (exp2(2 x log2(e)) + 1): exp2 and the reciprocal are accurate to ~1e-7,
-    where the hardware's tanh.approx (~5e-4) would move a softcap-30 score by 0.015."""
-    two_log2e = softcap_scale * (2.0 * LOG2E)
+    The hardware's one-instruction ``tanh.approx.f32`` (relative error <= 2^-11, so a softcap-30
+    score moves by at most ~0.015, less than bf16's rounding of that score), as FlashAttention 2-4
+    use: one MUFU operation per score beside the softmax's exp2. The accurate form
+    1 - 2 / (exp2(2x log2 e) + 1) costs two (exp2, rcp) and measured 37% slower forward than no
+    softcap (docs/performance.md)."""
     for i in cutlass.range_constexpr(cute.size(acc_S)):
-        e = cute.math.exp2(acc_S[i] * two_log2e, fastmath=True)
-        t = 1.0 - 2.0 * cute.arch.rcp_approx(e + 1.0)
+        t = cute.math.tanh(acc_S[i] * softcap_scale, approx=True)
         acc_S[i] = t
         if const_expr(dtanh is not None):
             dtanh[i] = 1.0 - t * t
