@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable
 
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.traits import (
+    SM90_VARLEN_CAUSAL_ONE_CTA_PER_TILE,
     BackwardTraits,
     ForwardTraits,
     Sm90BackwardTraits,
@@ -116,7 +117,7 @@ def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capa
             raise ValueError(f"traits {traits.spec}: K/V multicast needs the same K/V blocks for both Q "
                              f"blocks of a cluster, so causal, local and varlen attention cannot use it")
     elif kernel == "sm90" and target == "sm_90a" and sm90_forward_traits(head_dim, causal, smem_capacity, seqlen):
-        candidates = _without_multicast(sm90_forward_traits(head_dim, causal, smem_capacity, seqlen), features)
+        candidates = _sm90_for_features(sm90_forward_traits(head_dim, causal, smem_capacity, seqlen), features, causal)
     else:
         kernel, candidates = "sm80", sm80_forward_traits(head_dim, causal, smem_capacity)
     if kernel == "sm90" and target != "sm_90a":
@@ -124,13 +125,18 @@ def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capa
     return ForwardKey(kernel, target, dtype, padded, bool(causal), head_dim != padded, candidates, features)
 
 
-def _without_multicast(candidates, features: Features):
-    """A local window or varlen gives the two Q blocks of a K/V multicast cluster different K/V
-    blocks: those variants run the same traits without multicast."""
+def _sm90_for_features(candidates, features: Features, causal: bool):
+    """The SM90 table's traits adapted to the features: a local window or varlen gives the two Q
+    blocks of a K/V multicast cluster different K/V blocks, so those variants run without
+    multicast; a causal varlen batch of a head dim in traits.SM90_VARLEN_CAUSAL_ONE_CTA_PER_TILE
+    runs one CTA per tile (the measured reason is there)."""
     if not (features.local or features.varlen):
         return candidates
-    return tuple(dataclasses.replace(t, kv_multicast=False) if getattr(t, "kv_multicast", False) else t
-                 for t in candidates)
+    candidates = tuple(dataclasses.replace(t, kv_multicast=False) for t in candidates)
+    if features.varlen and causal:
+        candidates = tuple(dataclasses.replace(t, persistent=False, overlap_tiles=False)
+                           if t.head_dim in SM90_VARLEN_CAUSAL_ONE_CTA_PER_TILE else t for t in candidates)
+    return candidates
 
 
 @dataclass(frozen=True)
@@ -797,10 +803,12 @@ def forward_tier_siblings(key: ForwardKey) -> list[ForwardKey]:
     if key.kernel == "sm90":
         siblings = [
             ForwardKey(key.kernel, key.target, key.dtype, key.head_dim, key.causal, key.check_hdim,
-                       _without_multicast(sm90_forward_traits(key.head_dim, key.causal, None, tier), key.features),
+                       _sm90_for_features(sm90_forward_traits(key.head_dim, key.causal, None, tier), key.features,
+                                          key.causal),
                        key.features)
             for tier in sm90_seqlen_tiers(key.head_dim, key.causal)
         ]
+        siblings = list(dict.fromkeys(siblings))  # tiers that a feature makes alike (causal varlen)
     else:
         siblings = [key] if key.candidates == sm80_forward_traits(key.head_dim, key.causal) else []
     if key not in siblings:

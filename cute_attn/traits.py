@@ -171,6 +171,15 @@ SM90_FORWARD = {
 }
 
 
+# Causal varlen batches of these head dims run their SM90 tier without the persistent grid (one CTA
+# per tile, so the hardware hands the next tile to whichever SM frees first; the persistent grid's
+# statically dealt rounds come out unequal when sequences differ in length). Measured with
+# `tools/bench.py --varlen --causal 1` (lengths 128-4096, 16k tokens), the two in the same run:
+# d128 +3.6% on H100 (479 vs 462 TFLOP/s), +3.4% on H200 (485 vs 469); d64 -3% on H200 (375 vs
+# 386), so d64 keeps its persistent tiers. d192/d256 have no persistent tier.
+SM90_VARLEN_CAUSAL_ONE_CTA_PER_TILE = frozenset({128})
+
+
 # KV-cache decode and split-KV (the SM80-family forward with the decode features, on every GPU).
 # A decode tile holds a few query rows (seqlen_q x the query heads of one K/V head), so 64 rows
 # (4 warps of 16) and the S width and stages are what sets how many K/V bytes are in flight per SM.

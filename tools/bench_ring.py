@@ -165,7 +165,9 @@ def _implementations(args, rank, world, q, k, v, dout):
             def torch_cp():
                 qt, kt, vt, dt = (t.detach().transpose(1, 2).contiguous() for t in (q, k, v, dout))
                 with context_parallel(mesh, buffers=[qt, kt, vt, dt], buffer_seq_dims=[2, 2, 2, 2]):
-                    leaves = [t.requires_grad_() for t in (qt, kt, vt)]
+                    # new leaves over the sharded buffers: on exit the context resizes the buffers
+                    # back to the whole sequence, which a tensor that requires grad refuses
+                    leaves = [t.detach().requires_grad_() for t in (qt, kt, vt)]
                     out = F.scaled_dot_product_attention(*leaves, is_causal=args.causal,
                                                          enable_gqa=args.heads != args.heads_kv)
                     torch.autograd.grad(out, leaves, dt)
