@@ -781,11 +781,14 @@ def _source_fingerprint() -> str:
 
 
 def build(key, keep_artifacts: bool = False):
-    """Compile any kernel key (forward, backward main, backward pre/postprocess)."""
+    """Compile any kernel key (forward, backward main, backward pre/postprocess, split-KV combine,
+    ring merge)."""
     if isinstance(key, ForwardKey):
         return build_forward(key, keep_artifacts)
     if isinstance(key, CombineKey):
         return build_combine(key, keep_artifacts)
+    if isinstance(key, RingMergeKey):
+        return build_ring_merge(key, keep_artifacts)
     return build_backward(key, keep_artifacts)
 
 
@@ -952,3 +955,57 @@ def build_combine(key: CombineKey, keep_artifacts: bool = False):
 
 
 combine_cache = KernelCache(build_combine, default_cache_dir())
+
+
+# ---------------------------------------------------------------------------- ring attention's merge
+@dataclass(frozen=True)
+class RingMergeKey:
+    """Ring attention's per-step merge (kernels/ring_merge.py): folds a step's output and LSE into
+    the fp32 accumulators. batch, rows, heads and the actual head dim are run-time values."""
+
+    target: str
+    dtype: str  # the step output's dtype
+    head_dim: int  # padded head dim
+    check_hdim: bool  # actual head dim < padded head dim
+    indexed: bool  # step rows fold into accumulator rows through an int32 index (varlen halves)
+
+    @property
+    def name(self) -> str:
+        return (f"ring_merge_{self.target}_{self.dtype}_d{self.head_dim}{'_padded' if self.check_hdim else ''}"
+                f"{'_indexed' if self.indexed else ''}")
+
+
+def ring_merge_key(target: str, dtype: str, head_dim: int, indexed: bool) -> RingMergeKey:
+    padded = padded_head_dim(head_dim)
+    return RingMergeKey(target, dtype, padded, head_dim != padded, bool(indexed))
+
+
+def build_ring_merge(key: RingMergeKey, keep_artifacts: bool = False):
+    """Compile the ring merge for ``key`` (no GPU needed). The result is called as ``fn(acc, acc_lse,
+    part, part_lse, row_index_or_None)`` with torch tensors (acc (batch, acc rows, heads, d) and
+    part (batch, rows, heads, d) with the last stride 1 and the others multiples of 4 (acc) / 8
+    (part) elements; acc_lse (batch, heads, acc rows) and part_lse (batch, heads, rows) with the
+    last stride 1; row_index (rows,) int32), on torch's current stream."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from cute_attn.kernels.ring_merge import RingMerge
+
+    sym, sym64, f32 = cute.sym_int, cute.sym_int64, cutlass.Float32
+    dtype = _cutlass_dtype(key.dtype)
+    batch, acc_rows, rows, heads, head_dim = (sym() for _ in range(5))
+    acc = make_fake_tensor(f32, (batch, acc_rows, heads, head_dim),
+                           stride=tuple(sym64(divisibility=4) for _ in range(3)) + (1,), assumed_align=16)
+    acc_lse = make_fake_tensor(f32, (batch, heads, acc_rows), stride=(sym64(), sym64(), 1), assumed_align=4)
+    part = make_fake_tensor(dtype, (batch, rows, heads, head_dim),
+                            stride=tuple(sym64(divisibility=8) for _ in range(3)) + (1,), assumed_align=16)
+    part_lse = make_fake_tensor(f32, (batch, heads, rows), stride=(sym64(), sym64(), 1), assumed_align=4)
+    index = make_fake_tensor(cutlass.Int32, (rows,), stride=(1,), assumed_align=4) if key.indexed else None
+    kernel = RingMerge(dtype, key.head_dim, key.check_hdim, key.indexed)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return _compile(kernel, acc, acc_lse, part, part_lse, index, stream, target=key.target,
+                    keep_artifacts=keep_artifacts)
+
+
+ring_merge_cache = KernelCache(build_ring_merge, default_cache_dir())

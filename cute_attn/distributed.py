@@ -241,9 +241,31 @@ class _Ring:
 def _merge(out, lse, part_out, part_lse, rows):
     """out/lse (fp32 accumulators) <- the exact combination with a step's result on ``rows``."""
     acc_out, acc_lse = _part(out, rows), _part(lse, rows, dim=2)
+    if _fused_merge(acc_out, acc_lse, part_out, part_lse):
+        return
     new_out, new_lse = _combined(acc_out, acc_lse, part_out, part_lse, lse_to_out=lambda t: t.transpose(1, 2))
     acc_out.copy_(new_out)
     acc_lse.copy_(new_lse)
+
+
+def _fused_merge(acc_out, acc_lse, part_out, part_lse, row_index=None) -> bool:
+    """The merge as one kernel (kernels/ring_merge.py) on the GPU: acc_out (batch, rows, heads, d)
+    and acc_lse (batch, heads, rows) fp32 updated in place (through ``row_index``: step row i into
+    accumulator row row_index[i]). False (nothing done) off the GPU, e.g. the CPU tests' reference
+    steps, whose merge is ``_combined``."""
+    if not (acc_out.is_cuda and acc_out.dtype == torch.float32 and part_out.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    if part_out.numel():
+        from cute_attn import compile as compile_mod
+        from cute_attn import dispatch
+
+        key = compile_mod.ring_merge_key(dispatch.plan_for_device(acc_out.device).target,
+                                         "bf16" if part_out.dtype == torch.bfloat16 else "fp16", part_out.shape[-1],
+                                         row_index is not None)
+        merge = compile_mod.ring_merge_cache.get(key)
+        with torch.cuda.device(acc_out.device):
+            merge(acc_out, acc_lse, part_out, part_lse, row_index)
+    return True
 
 
 def _combined(acc_out, acc_lse, part_out, part_lse, lse_to_out):
@@ -414,6 +436,7 @@ class _VarlenParts:
         sequence = torch.searchsorted(half_cu[1:], t, right=True)  # the sequence of each half-row
         first = cu_seqlens.to(torch.int64)[sequence] + (t - half_cu[sequence])
         self.index = {"first": first, "second": first + (half_cu[1:] - half_cu[:-1])[sequence]}
+        self.index32 = {part: index.to(torch.int32) for part, index in self.index.items()}  # the merge kernel's
         self.half_cu = half_cu.to(torch.int32)
 
     def rows(self, t: torch.Tensor, part: str, dim: int = 0) -> torch.Tensor:
@@ -444,6 +467,9 @@ def _ring_varlen_forward(q, k, v, cu_seqlens, max_seqlen, group, causal, scale, 
             part_out, part_lse = _local_varlen_forward(
                 parts.rows(q, rows), parts.rows(kv[0], keys), parts.rows(kv[1], keys), parts.lengths(rows)[0],
                 parts.lengths(keys)[0], parts.lengths(rows)[1], parts.lengths(keys)[1], step_causal, scale, softcap)
+            if _fused_merge(out.unsqueeze(0), lse.unsqueeze(0), part_out.unsqueeze(0), part_lse.unsqueeze(0),
+                            parts.index32.get(rows)):
+                continue
             acc_out, acc_lse = parts.rows(out, rows), parts.rows(lse, rows, dim=1)
             new_out, new_lse = _combined(acc_out, acc_lse, part_out, part_lse.to(acc_dtype),
                                          lse_to_out=lambda t: t.transpose(0, 1))
