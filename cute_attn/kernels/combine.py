@@ -46,6 +46,26 @@ VEC = 4  # fp32 per 128-bit load
 GROUP_WARPS_TARGET = 8192
 
 
+def row_lanes(head_dim_padded: int) -> tuple[int, int]:
+    """(threads per row, chunks per thread) of a row of ``head_dim_padded`` columns spread over at
+    most a warp's lanes in 4-column chunks (a 128-bit fp32 load each); also the ring merge's."""
+    chunks = head_dim_padded // VEC
+    tpr = 32
+    while chunks % tpr:
+        tpr //= 2
+    return tpr, chunks // tpr
+
+
+def row_copy(dtype: Type[cutlass.Numeric], threads_per_row: int) -> cute.TiledCopy:
+    """The copy of one row's 4-column chunks between memory and the ``row_lanes`` threads that own
+    them (one vector access of 4 elements each)."""
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=VEC * dtype.width),
+        cute.make_layout((1, threads_per_row)),
+        cute.make_layout((1, VEC)),
+    )
+
+
 class SplitCombine:
     """Compile-time configuration of the combine kernel; ``__call__`` is the host-side launch."""
 
@@ -59,13 +79,8 @@ class SplitCombine:
         self.num_warps = num_warps
         self.num_threads = 32 * num_warps
         self.unroll = unroll  # splits (per warp) or LSEs (per lane) loaded per loop trip
-        chunks = head_dim_padded // VEC
-        tpr = 32
-        while chunks % tpr:
-            tpr //= 2
-        self.threads_per_row = tpr
-        self.chunks_per_thread = chunks // tpr
-        self.rows_per_warp = 32 // tpr
+        self.threads_per_row, self.chunks_per_thread = row_lanes(head_dim_padded)
+        self.rows_per_warp = 32 // self.threads_per_row
 
     @cute.jit
     def __call__(
@@ -76,17 +91,8 @@ class SplitCombine:
         mLSE: cute.Tensor,  # (batch, heads, seqlen_q) fp32
         stream: cuda.CUstream,
     ):
-        tpr = self.threads_per_row
-        copy_acc = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=VEC * 32),
-            cute.make_layout((1, tpr)),
-            cute.make_layout((1, VEC)),
-        )
-        copy_out = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=VEC * self.dtype.width),
-            cute.make_layout((1, tpr)),
-            cute.make_layout((1, VEC)),
-        )
+        copy_acc = row_copy(Float32, self.threads_per_row)
+        copy_out = row_copy(self.dtype, self.threads_per_row)
         # every warp's partial sums: (warp, row of the warp, column)
         sacc_layout = cute.make_ordered_layout((self.num_warps, self.rows_per_warp, self.head_dim), order=(2, 1, 0))
 

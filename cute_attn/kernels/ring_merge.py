@@ -18,18 +18,15 @@ first or second half of every sequence); otherwise into row i of accumulator vie
 the step's first row. batch, rows, heads and the actual head dim are run-time values.
 """
 
-import math
 from typing import Type
 
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
-LN2 = math.log(2.0)
-LOG2E = math.log2(math.e)
-VEC = 4  # columns per 128-bit fp32 load
+from cute_attn.kernels.combine import LN2, LOG2E, row_copy, row_lanes
 
 
 class RingMerge:
@@ -43,13 +40,8 @@ class RingMerge:
         self.check_hdim = check_hdim
         self.indexed = indexed
         self.num_warps = num_warps
-        chunks = head_dim_padded // VEC
-        tpr = 32
-        while chunks % tpr:
-            tpr //= 2
-        self.threads_per_row = tpr
-        self.chunks_per_thread = chunks // tpr
-        self.rows_per_cta = 32 * num_warps // tpr
+        self.threads_per_row, self.chunks_per_thread = row_lanes(head_dim_padded)
+        self.rows_per_cta = 32 * num_warps // self.threads_per_row
 
     @cute.jit
     def __call__(
@@ -61,13 +53,7 @@ class RingMerge:
         mRowIndex: cute.Tensor | None,  # (rows,) int32 accumulator row of each step row (indexed)
         stream: cuda.CUstream,
     ):
-        tpr = self.threads_per_row
-        copy_acc = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=VEC * 32),
-            cute.make_layout((1, tpr)), cute.make_layout((1, VEC)))
-        copy_part = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=VEC * self.dtype.width),
-            cute.make_layout((1, tpr)), cute.make_layout((1, VEC)))
+        copy_acc, copy_part = row_copy(Float32, self.threads_per_row), row_copy(self.dtype, self.threads_per_row)
         rows = mPart.shape[0] * mPart.shape[1] * mPart.shape[2]
         self.kernel(mAcc, mAccLSE, mPart, mPartLSE, mRowIndex, copy_acc, copy_part).launch(
             grid=(cute.ceil_div(rows, self.rows_per_cta), 1, 1), block=[32 * self.num_warps, 1, 1], stream=stream)
