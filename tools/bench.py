@@ -334,10 +334,11 @@ def feature_rows(args):
     import cute_attn
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    fa4 = fa4_varlen = None
     try:
-        from flash_attn.cute import flash_attn_func as fa4, flash_attn_varlen_func as fa4_varlen
+        if not args.no_peers:
+            from flash_attn.cute import flash_attn_func as fa4, flash_attn_varlen_func as fa4_varlen
     except Exception as e:  # noqa: BLE001
-        fa4 = fa4_varlen = None
         print(f"# FlashAttention-4 not importable ({type(e).__name__}: {e}); skipped", file=sys.stderr)
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
     rows = []
@@ -367,13 +368,14 @@ def feature_rows(args):
                         if fa4_varlen is not None:
                             impls["FA4 varlen"] = lambda q, k, v, c: first(fa4_varlen(
                                 q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=c))
-                        try:
-                            from torch.nn.attention.varlen import varlen_attn
+                        if not args.no_peers:
+                            try:
+                                from torch.nn.attention.varlen import varlen_attn
 
-                            impls["FA2 varlen (torch varlen_attn)"] = lambda q, k, v, c: first(varlen_attn(
-                                q, k, v, cu, cu, mx, mx, window_size=(-1, 0) if c else (-1, -1)))
-                        except Exception as e:  # noqa: BLE001
-                            print(f"# torch varlen_attn not available ({type(e).__name__}: {e})", file=sys.stderr)
+                                impls["FA2 varlen (torch varlen_attn)"] = lambda q, k, v, c: first(varlen_attn(
+                                    q, k, v, cu, cu, mx, mx, window_size=(-1, 0) if c else (-1, -1)))
+                            except Exception as e:  # noqa: BLE001
+                                print(f"# torch varlen_attn not available ({type(e).__name__}: {e})", file=sys.stderr)
                     else:
                         batch = max(args.tokens // s, 1)
                         q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=dtype) for _ in range(3))
