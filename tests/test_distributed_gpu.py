@@ -21,6 +21,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _out_and_grads(attention, tensors, dout):
+    """[out, dq, dk, dv] of ``attention`` on fresh leaves copied from ``tensors`` (q, k, v)."""
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    out = attention(*leaves)
+    out = out[0] if isinstance(out, tuple) else out
+    return [out, *torch.autograd.grad(out, leaves, dout)]
+
+
 def _worker(rank, world, port, seqlen):
     import cute_attn
     from cute_attn import distributed as cp
@@ -46,12 +54,10 @@ def _worker(rank, world, port, seqlen):
                     grads = torch.autograd.grad(out, shards, cp.shard_sequence(dout, layout=layout))
                     ring = [cp.gather_sequence(t, layout=layout) for t in (out, *grads)]
 
-                    full = [t.clone().requires_grad_() for t in (q, k, v)]
-                    single_out = cute_attn.flash_attn_func(*full, causal=causal, window_size=window)
-                    single = [single_out, *torch.autograd.grad(single_out, full, dout)]
-                    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-                    ref_out, _ = attention_reference(*ref_in, causal, compute_dtype=torch.float32, window_size=window)
-                    ref = [ref_out, *torch.autograd.grad(ref_out, ref_in, dout)]
+                    single = _out_and_grads(
+                        lambda *t: cute_attn.flash_attn_func(*t, causal=causal, window_size=window), (q, k, v), dout)
+                    ref = _out_and_grads(lambda *t: attention_reference(
+                        *t, causal, compute_dtype=torch.float32, window_size=window), (q, k, v), dout)
                     case = f"d{head_dim} causal={causal} window={window} {layout} S={seqlen}"
                     for name, got, base, want in zip(("out", "dq", "dk", "dv"), ring, single, ref):
                         check_close(name, got, want, base, 1e-4, case)
@@ -115,9 +121,7 @@ def _long_worker(rank, world, port, seqlen):
         out = cp.ring_flash_attn_func(*shards, causal=True)
         grads = torch.autograd.grad(out, shards, cp.shard_sequence(dout))
         ring = [cp.gather_sequence(t) for t in (out, *grads)]
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        single_out = cute_attn.flash_attn_func(*full, causal=True)
-        single = [single_out, *torch.autograd.grad(single_out, full, dout)]
+        single = _out_and_grads(lambda *t: cute_attn.flash_attn_func(*t, causal=True), (q, k, v), dout)
         if rank == 0:
             # rows and keys at both ends, at the rank/zigzag chunk edges and in between
             picks = torch.tensor([0, 1, 17, 1000, seqlen // 4 - 1, seqlen // 4, seqlen // 2 - 1, seqlen // 2,
@@ -163,12 +167,12 @@ def _varlen_worker(rank, world, port):
                 grads = torch.autograd.grad(out, shards, cp.shard_varlen(dout, cu, layout=layout)[0])
                 ring = [cp.gather_varlen(t, cu, layout=layout) for t in (out, *grads)]
 
-                full = [t.clone().requires_grad_() for t in (q, k, v)]
-                single_out = cute_attn.flash_attn_varlen_func(*full, cu, cu, longest, longest, causal=causal)
-                single = [single_out, *torch.autograd.grad(single_out, full, dout)]
-                ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref_out, _ = attention_varlen_reference(*ref_in, cu, cu, causal, compute_dtype=torch.float32)
-                ref = [ref_out, *torch.autograd.grad(ref_out, ref_in, dout)]
+                single = _out_and_grads(
+                    lambda *t: cute_attn.flash_attn_varlen_func(*t, cu, cu, longest, longest, causal=causal),
+                    (q, k, v), dout)
+                ref = _out_and_grads(
+                    lambda *t: attention_varlen_reference(*t, cu, cu, causal, compute_dtype=torch.float32),
+                    (q, k, v), dout)
                 case = f"varlen causal={causal} {layout} lengths={lengths}"
                 for name, got, base, want in zip(("out", "dq", "dk", "dv"), ring, single, ref):
                     check_close(name, got, want, base, 1e-4, case)
