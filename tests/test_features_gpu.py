@@ -170,6 +170,18 @@ def test_varlen(causal, dtype):
     check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"varlen causal={causal} {dtype}")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_more_sequences_than_a_warp(causal):
+    """70 sequences (0 ... 300 tokens, seqlen_q != seqlen_k): the SM90 forward counts non-causal
+    varlen tiles 32 sequences at a time, a lane per sequence (tile_scheduler.varlen_tile_coords)."""
+    gen = torch.Generator().manual_seed(70)
+    lengths_q = torch.randint(0, 300, (70,), generator=gen).tolist()
+    lengths_k = torch.randint(1, 300, (70,), generator=gen).tolist()
+    lengths_q[:4], lengths_q[33], lengths_q[-1] = [0, 1, 129, 0], 0, 0  # empty ones at either end and mid
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 128, torch.bfloat16)
+    check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"70 sequences causal={causal}")
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_varlen_causal_softcap_alibi_every_head_dim(head_dim):
     q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 4, 1, head_dim, torch.bfloat16)

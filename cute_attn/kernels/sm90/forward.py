@@ -29,11 +29,12 @@ through shared memory and TMA stores, which clip rows past seqlen_q and padded c
 persistent, each consumer warpgroup stores its 64 rows from a buffer of O's own; otherwise the
 whole tile goes out through Q's buffer.
 
-Varlen (packed sequences, kernels/seqlen_info.py): the tiles cover the longest sequence's Q blocks
-for every sequence; a tile past its own sequence's end is skipped by every role alike
-(``_next_tile``). Loads start at the sequence's first row (rows past its end are the next
-sequence's: masked, or never stored); O's store goes through a ragged view that clips a partial
-last tile at the sequence's end.
+Varlen (packed sequences, kernels/seqlen_info.py): non-causal, the tiles are numbered without
+holes from cu_seqlens_q (tile_scheduler.varlen_tile_coords); causal, they cover the longest
+sequence's Q blocks for every sequence in the dense longest-first order, and a tile past its own
+sequence's end is skipped by every role alike (``_next_tile``). Loads start at the sequence's
+first row (rows past its end are the next sequence's: masked, or never stored); O's store goes
+through a ragged view that clips a partial last tile at the sequence's end.
 """
 
 from functools import partial
@@ -286,7 +287,7 @@ class FlashAttentionForwardSm90:
             window_left if const_expr(self.features.local) else None,
             window_right if const_expr(self.features.local) else None,
         )
-        next_tile = partial(self._next_tile, coords, mCuSeqlensQ)
+        next_tile = partial(self._next_tile, coords, mQ, mCuSeqlensQ)
         pipeline.pipeline_init_wait(cluster_shape_mn=self._cluster_vmnk())
 
         if warp_idx < 4:
@@ -317,7 +318,10 @@ class FlashAttentionForwardSm90:
                      heads_per_section: Int32, tile: Int32):
         """(m_block, head, batch) of tile number ``tile``."""
         num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q)
-        if const_expr(self.causal):
+        if const_expr(self.features.varlen and not self.causal):
+            # numbered without holes, sequence by sequence (the non-causal tiles are alike)
+            m_block, head, batch = tile_scheduler.varlen_tile_coords(tile, mCuSeqlensQ, self.tile_m, heads, batches)
+        elif const_expr(self.causal):
             # longest tiles first, in L2-sized sections of heads. Varlen: Q block m of every
             # sequence long enough to have one, the longest sequences' last blocks first (tiles
             # past a sequence's end are skipped at once)
@@ -352,13 +356,19 @@ class FlashAttentionForwardSm90:
         return m_block, head, head // qheads_per_kvhead, seq, (n_block_max, n_masked_right, n_unmasked, n_masked_left)
 
     @cute.jit
-    def _next_tile(self, coords, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32, rounds: Int32):
+    def _next_tile(self, coords, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32,
+                   rounds: Int32):
         """(round, tile) of this CTA's first tile from round ``rounds`` on (tile >= num_tiles: none
-        left). Varlen: the tiles past their sequence's end are skipped, by the producer and the
-        consumers alike, so that every role (and ``overlap_tiles``' look at the next tile) sees
-        the same tiles."""
+        left). Varlen, non-causal: ``num_tiles`` is a bound, and a tile past the batch's last one
+        reads as none left. Varlen, causal: the tiles past their sequence's end are skipped, by the
+        producer and the consumers alike, so that every role (and ``overlap_tiles``' look at the
+        next tile) sees the same tiles."""
         tile = self._nth_tile(rounds)
-        if const_expr(self.features.varlen):
+        if const_expr(self.features.varlen and not self.causal):
+            total = tile_scheduler.varlen_q_blocks(mCuSeqlensQ, mCuSeqlensQ.shape[0] - 1, self.tile_m)
+            if tile >= total * mQ.shape[2]:
+                tile = num_tiles
+        elif const_expr(self.features.varlen):
             skip = self._past_end(coords, mCuSeqlensQ, num_tiles, tile)
             while skip:
                 rounds += 1
@@ -387,7 +397,11 @@ class FlashAttentionForwardSm90:
         return self._num_m_blocks(mQ.shape[0]), mQ.shape[2], mQ.shape[3]
 
     def _num_tiles(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32):
-        """Q blocks x heads x batch."""
+        """Q blocks x heads x batch. Varlen, non-causal: a bound known without reading cu_seqlens
+        (each sequence has at most seqlen / tile_m + 1 Q blocks; ``_next_tile`` stops at the real
+        count)."""
+        if const_expr(self.features.varlen and not self.causal):
+            return (cute.ceil_div(mQ.shape[0], self.tile_m) + mCuSeqlensQ.shape[0] - 1) * mQ.shape[2]
         num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q)
         return num_m_blocks * heads * batches
 
