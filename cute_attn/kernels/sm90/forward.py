@@ -549,8 +549,9 @@ class FlashAttentionForwardSm90:
             # the first tile's first block; every later tile's comes with the previous tile's last
             # block (_tile_boundary)
             if const_expr(self.features.varlen):
-                # a CTA may have no tile at all (all of its tiles past their sequence's end): the
-                # next-tile path, whose wgmma is issued either way (see _next_first_qk)
+                # a CTA may have no tile at all (its tiles past their sequence's end, or past the
+                # batch's last tile): the next-tile path, whose wgmma is issued either way
+                # (see _next_first_qk)
                 acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
                 has_first = tile < num_tiles
                 self._next_first_qk(has_first, mma_qk, acc_S, tSrQ, tSrK, pipe_q, q_state, pipe_k, kv)
