@@ -170,16 +170,18 @@ def test_varlen(causal, dtype):
     check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"varlen causal={causal} {dtype}")
 
 
+@pytest.mark.parametrize("num_seqs", [32, 70])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_more_sequences_than_a_warp(causal):
-    """70 sequences (0 ... 300 tokens, seqlen_q != seqlen_k): the SM90 forward counts non-causal
-    varlen tiles 32 sequences at a time, a lane per sequence (tile_scheduler.varlen_tile_coords)."""
-    gen = torch.Generator().manual_seed(70)
-    lengths_q = torch.randint(0, 300, (70,), generator=gen).tolist()
-    lengths_k = torch.randint(1, 300, (70,), generator=gen).tolist()
-    lengths_q[:4], lengths_q[33], lengths_q[-1] = [0, 1, 129, 0], 0, 0  # empty ones at either end and mid
+def test_varlen_many_sequences(causal, num_seqs):
+    """A warp's worth of sequences and more (0 ... 300 tokens, seqlen_q != seqlen_k): the SM90
+    forward numbers non-causal tiles without holes up to 32 sequences, a lane per sequence
+    (tile_scheduler.varlen_tile_coords), and over the longest sequence beyond."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    lengths_q = torch.randint(0, 300, (num_seqs,), generator=gen).tolist()
+    lengths_k = torch.randint(1, 300, (num_seqs,), generator=gen).tolist()
+    lengths_q[:4], lengths_q[num_seqs // 2], lengths_q[-1] = [0, 1, 129, 0], 0, 0  # empty ones at either end and mid
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 128, torch.bfloat16)
-    check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"70 sequences causal={causal}")
+    check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"{num_seqs} sequences causal={causal}")
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)

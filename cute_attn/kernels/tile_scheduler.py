@@ -45,21 +45,19 @@ def nth_tile(r, cta, grid):
     return r * grid + cta + (r % 2) * (grid - 1 - 2 * cta)
 
 
-# A varlen tile number past the last tile of the batch decodes to this Q block, beyond any
-# sequence's end.
-PAST_THE_LAST_TILE = 1 << 20
-
-# Non-causal varlen tiles are numbered without holes (no tile past a sequence's end), from
-# cu_seqlens_q in the kernel: the functions below are called by a whole warp (convergent), each
-# lane reading the length of one of 32 sequences at a time. (Causal varlen keeps the dense
-# longest-first order over the longest sequence's Q blocks, skipping the tiles past a sequence's
-# end: measured faster on H100 than numbering its tiles without holes, sequence by sequence or
-# level by level; docs/performance.md.)
+# Non-causal varlen batches of up to VARLEN_COMPACT_BATCH sequences number their tiles without
+# holes (no tile past a sequence's end), from cu_seqlens_q in the kernel: a lane per sequence, so
+# one warp pass (called by a whole warp, convergent). Larger batches, and causal ones, keep the
+# dense order over the longest sequence's Q blocks and skip the tiles past a sequence's end: a
+# many-sequence decode would loop over groups of 32 on every tile, and for causal batches the
+# numbering without holes measured slower on H100 (docs/performance.md).
+VARLEN_COMPACT_BATCH = 32
 
 
 @cute.jit
-def q_blocks(mCuSeqlensQ: cute.Tensor, b: Int32, batches: Int32, tile_m: cutlass.Constexpr[int]):
-    """Q blocks of sequence ``b`` (0 past the batch)."""
+def _q_blocks_of_lane(mCuSeqlensQ: cute.Tensor, batches: Int32, tile_m: cutlass.Constexpr[int]):
+    """Q blocks of this lane's sequence (0 past the batch)."""
+    b = cute.arch.lane_idx()
     seqlen = Int32(0)
     if b < batches:
         seqlen = mCuSeqlensQ[b + 1] - mCuSeqlensQ[b]
@@ -67,54 +65,29 @@ def q_blocks(mCuSeqlensQ: cute.Tensor, b: Int32, batches: Int32, tile_m: cutlass
 
 
 @cute.jit
-def varlen_q_blocks(mCuSeqlensQ: cute.Tensor, batches: Int32, tile_m: cutlass.Constexpr[int]):
-    """The Q blocks of all the batch's sequences (the tiles of one head)."""
-    lane = cute.arch.lane_idx()
-    total = Int32(0)
-    group = Int32(0)
-    while group < batches:
-        total += cute.arch.warp_redux_sync(q_blocks(mCuSeqlensQ, group + lane, batches, tile_m), "add")
-        group += 32
-    return total
+def varlen_num_tiles(mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[int], heads: Int32, batches: Int32):
+    """The tiles of a batch of at most 32 sequences: its Q blocks times the heads."""
+    return cute.arch.warp_redux_sync(_q_blocks_of_lane(mCuSeqlensQ, batches, tile_m), "add") * heads
 
 
 @cute.jit
 def varlen_tile_coords(tile: Int32, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[int], heads: Int32,
                        batches: Int32):
-    """(m_block, head, batch) of tile number ``tile`` of a varlen batch in sequence order: sequence
-    by sequence, head by head, Q block by Q block (the non-causal tiles are alike). The tile's
-    sequence is found with a prefix sum over 32 sequences' tile counts at a time. A tile past the
-    batch's last tile gets m_block PAST_THE_LAST_TILE (batch 0, head 0)."""
+    """(m_block, head, batch) of tile number ``tile`` (below ``varlen_num_tiles``) of a batch of at
+    most 32 sequences, numbered sequence by sequence, head by head, Q block by Q block: the
+    sequence is the first whose tiles, summed over the warp, reach past ``tile``."""
     lane = cute.arch.lane_idx()
-    first_tile = Int32(0)  # the first tile of the group of sequences at hand
-    group = Int32(0)  # its first sequence
-    batch = Int32(0)
-    local = Int32(0)  # tile's number within its sequence
-    blocks = Int32(0)  # Q blocks of the tile's sequence
-    found = Int32(0)
-    while (group < batches) & (found == 0):
-        nb = q_blocks(mCuSeqlensQ, group + lane, batches, tile_m)
-        tiles_incl = nb * heads
-        for i in cutlass.range_constexpr(5):  # inclusive prefix sum over the warp
-            other = cute.arch.shuffle_sync_up(tiles_incl, offset=1 << i, mask_and_clamp=0)
-            if lane >= (1 << i):
-                tiles_incl += other
-        group_tiles = cute.arch.shuffle_sync(tiles_incl, 31)
-        if tile < first_tile + group_tiles:
-            # lanes whose sequences end at or before the tile: the tile's sequence is the next one
-            index = cute.arch.popc(cute.arch.vote_ballot_sync(first_tile + tiles_incl <= tile))
-            before = cute.arch.shuffle_sync(tiles_incl - nb * heads, index)
-            blocks = cute.arch.shuffle_sync(nb, index)
-            batch = group + index
-            local = tile - first_tile - before
-            found = Int32(1)
-        else:
-            first_tile += group_tiles
-            group += 32
-    m_block, head = Int32(PAST_THE_LAST_TILE), Int32(0)
-    if found != 0:
-        head = local // blocks
-        m_block = local - head * blocks
-    else:
-        batch = Int32(0)
-    return m_block, head, batch
+    nb = _q_blocks_of_lane(mCuSeqlensQ, batches, tile_m)
+    tiles_incl = nb * heads
+    for i in cutlass.range_constexpr(5):  # inclusive prefix sum over the warp
+        other = cute.arch.shuffle_sync_up(tiles_incl, offset=1 << i, mask_and_clamp=0)
+        if lane >= (1 << i):
+            tiles_incl += other
+    # lanes whose sequences end at or before the tile: the tile's sequence is the next one
+    batch = cute.arch.popc(cute.arch.vote_ballot_sync(tiles_incl <= tile))
+    batch = cutlass.min(batch, 31)  # (a tile past the last: not asked for)
+    before = cute.arch.shuffle_sync(tiles_incl - nb * heads, batch)
+    blocks = cutlass.max(cute.arch.shuffle_sync(nb, batch), 1)
+    local = tile - before
+    head = local // blocks
+    return local - head * blocks, head, batch
