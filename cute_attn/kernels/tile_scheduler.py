@@ -18,7 +18,7 @@ the longest-first order runs inside each section. The host picks the section (a 
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32
 
 # the host's choice of the section (free of the DSL, with the other host-side sizes)
 from cute_attn.traits import L2_BYTES_FOR_KV, heads_per_section  # noqa: F401
