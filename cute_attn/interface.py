@@ -516,9 +516,10 @@ _DECODE_LAUNCHES: dict = {}  # as _FORWARD_LAUNCHES, for ``flash_attn_with_kvcac
 def decode_num_splits(ctas: int, n_blocks: int, slots: int, max_splits: int = 128) -> int:
     """Split-KV pieces for a grid of ``ctas`` CTAs (Q blocks x heads x batch) whose longest walk is
     ``n_blocks`` K/V blocks, with ``slots`` CTAs per wave. Decoding is bound by reading K and V, so
-    what counts is that every SM reads: the fewest splits whose last wave is at least 90% as full
-    as the best choice's (FlashAttention-2's rule of wave efficiency), each split keeping at least
-    4 K/V blocks so that its prologue and the combine stay small."""
+    what counts is that every SM reads, each split keeping at least 4 K/V blocks so that its
+    prologue and the combine stay small: the most splits that still fit one wave when that wave is
+    at least 90% as full as the best choice's (an extra wave measured slower at equal fullness),
+    else the fewest splits whose last wave is (FlashAttention-2's rule of wave efficiency)."""
     if ctas >= slots or n_blocks < 8:
         return 1
     limit = max(1, min(max_splits, n_blocks // 4))
@@ -526,6 +527,9 @@ def decode_num_splits(ctas: int, n_blocks: int, slots: int, max_splits: int = 12
         waves = ctas * s / slots
         return waves / math.ceil(waves)
     best = max(efficiency(s) for s in range(1, limit + 1))
+    one_wave = min(limit, slots // ctas)
+    if efficiency(one_wave) >= 0.9 * best:
+        return one_wave
     return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.9 * best)
 
 

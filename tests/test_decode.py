@@ -77,6 +77,12 @@ def test_decode_num_splits():
     # one CTA per (batch, K/V head) on a long cache: enough splits to fill the slots, capped
     s = interface.decode_num_splits(ctas=8, n_blocks=2048, slots=132)
     assert 8 * s >= 0.9 * 132 and s <= 128
+    # in one wave as full as it gets (8 x 16 = 128 of 132), where one wave fills 90% of the best
+    assert s == 16
+    assert interface.decode_num_splits(ctas=32, n_blocks=128, slots=132) == 4
+    assert interface.decode_num_splits(ctas=24, n_blocks=300, slots=132) == 5  # 120 of 132, not 2 waves
+    # one wave would leave a quarter idle: the fewest splits whose last wave is 90% full
+    assert interface.decode_num_splits(ctas=100, n_blocks=1000, slots=132) == 5
     # never more splits than blocks / 4
     assert interface.decode_num_splits(ctas=1, n_blocks=40, slots=132) <= 10
 
