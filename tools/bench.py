@@ -261,6 +261,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--varlen", action="store_true",
                    help="a batch of random lengths 128...4096 (seeded) packed into --tokens: cute_attn varlen, "
                         "cute_attn dense on equal lengths, FA4 varlen, torch varlen_attn")
+    p.add_argument("--varlen-lengths", type=int, nargs=2, default=[128, 4096], metavar=("MIN", "MAX"),
+                   help="--varlen: the range of the random lengths (short ones make batches of many sequences: "
+                        "the SM90 forward numbers non-causal tiles without holes up to 32)")
     p.add_argument("--out", default="bench_results", help="directory for JSON and PNG")
     d = p.add_argument_group("decode (KV cache, issue 14): TB/s of q, out and the K/V rows attended")
     d.add_argument("--decode", action="store_true",
@@ -352,11 +355,12 @@ def feature_rows(args):
                         rng = random.Random(0)
                         lengths = []
                         while sum(lengths) < args.tokens:
-                            lengths.append(min(rng.randint(128, 4096), args.tokens - sum(lengths)))
+                            lengths.append(min(rng.randint(*args.varlen_lengths), args.tokens - sum(lengths)))
                         cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
                         mx = max(lengths)
                         q, k, v = (torch.randn(sum(lengths), heads, d, device="cuda", dtype=dtype) for _ in range(3))
-                        flops_pairs, feature = _visible_pairs(lengths, bool(causal)), "varlen 128-4096"
+                        lo, hi = args.varlen_lengths
+                        flops_pairs, feature = _visible_pairs(lengths, bool(causal)), f"varlen {lo}-{hi}"
                         impls["cute_attn varlen"] = lambda q, k, v, c: cute_attn.flash_attn_varlen_func(
                             q, k, v, cu, cu, mx, mx, causal=c)
                         # equal lengths, the same tokens (a power of two near the mean length): the
