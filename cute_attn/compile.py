@@ -380,7 +380,7 @@ def build_backward(key, keep_artifacts: bool = False):
             elif key.kernel == "sm90":
                 kernel = bwd90.FlashAttentionBackwardSm90(
                     dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_stages, key.causal, key.deterministic,
-                    features=key.features,
+                    features=key.features, longest_first=tr.longest_first,
                 )
             else:
                 kernel = bwd.FlashAttentionBackwardSm80(

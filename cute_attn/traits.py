@@ -353,15 +353,15 @@ def parse_backward_traits(spec: str, head_dim: int):
     Sm90BackwardTraits of the large-head-dim kernel (one dO stage, transposed dK/dV) (for tools and sweeps)."""
     import re
 
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(?:d(\d+))?(t)?", spec)
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(?:d(\d+))?(t)?(l)?", spec)
     if m:
-        tile_m, tile_n, stages, do_stages, swap = m.groups()
+        tile_m, tile_n, stages, do_stages, swap, longest = m.groups()
         return Sm90BackwardTraits(padded_head_dim(head_dim), int(tile_m), int(tile_n), int(stages),
-                                  int(do_stages) if do_stages is not None else None, bool(swap))
+                                  int(do_stages) if do_stages is not None else None, bool(swap), bool(longest))
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)a(\d+)b(\d+)c(\d+)", spec)
     if not m:
         raise ValueError(f"backward traits spec must look like m64n128w8a2b4c2 (SM80) or m64n128s2 (SM90, "
-                         f"optionally d1 and t), got {spec!r}")
+                         f"optionally d1, t and l), got {spec!r}")
     return BackwardTraits(padded_head_dim(head_dim), *map(int, m.groups()))
 
 
@@ -378,13 +378,17 @@ class Sm90BackwardTraits:
     num_stages: int = 2  # shared-memory buffers for each of Q (+ LSE), dO (+ D) and dS; swap_dkv: Q only
     do_stages: int | None = None  # swap_dkv: shared-memory buffers for dO (+ D) (None: num_stages)
     swap_dkv: bool = False  # the large-head-dim kernel: one buffer each for P and dS
+    # causal: the CTAs in longest-first order within L2-sized sections of heads
+    # (tile_scheduler.section_coords) instead of the grid's own (K/V block fastest)
+    longest_first: bool = False
 
     @property
     def spec(self) -> str:
-        """'m64n128s2' (+ 'd1': dO stages, 't': swap_dkv): the form parse_backward_traits and
-        --bwd-sweep take."""
+        """'m64n128s2' (+ 'd1': dO stages, 't': swap_dkv, 'l': longest_first): the form
+        parse_backward_traits and --bwd-sweep take."""
         return (f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
-                f"{f'd{self.do_stages}' if self.do_stages is not None else ''}{'t' if self.swap_dkv else ''}")
+                f"{f'd{self.do_stages}' if self.do_stages is not None else ''}{'t' if self.swap_dkv else ''}"
+                f"{'l' if self.longest_first else ''}")
 
     @property
     def dout_stages(self) -> int:
@@ -413,12 +417,17 @@ class Sm90BackwardTraits:
 # must fit beside them. d192: 96 keys (218 KB; dK^T + dV^T 144 registers per thread, the
 # warpgroups split the keys, since 192 rows of the head dim do not halve into 64-row wgmma tiles);
 # d256: 48 keys (222 KB; 96 registers, the warpgroups split the head dim). Not yet measured.
+# Causal d128 runs its CTAs longest first (K/V block 0 of each head of a section, then block 1...):
+# +2..+8% at S 2048-8192 in burst, +2..+4% sustained; -2% at S 1024; d64 measured -1..-7% with it
+# and keeps the grid's order. The order alone explains little of it: at S 8192 sections of 1 and 4
+# heads ran alike, and the SASS inner loop is unchanged but starts 128-byte aligned
+# (docs/performance.md, "Causal CTA order of the backward").
 _B = Sm90BackwardTraits
 SM90_BACKWARD = {
     32: dict.fromkeys((False, True), _B(32, tile_m=128)),
     64: dict.fromkeys((False, True), _B(64, tile_m=128)),
     96: dict.fromkeys((False, True), _B(96, tile_m=64)),
-    128: dict.fromkeys((False, True), _B(128, tile_m=64)),
+    128: {False: _B(128, tile_m=64), True: _B(128, tile_m=64, longest_first=True)},
     192: dict.fromkeys((False, True), _B(192, tile_m=64, tile_n=96, num_stages=2, do_stages=1, swap_dkv=True)),
     256: dict.fromkeys((False, True), _B(256, tile_m=64, tile_n=48, num_stages=2, do_stages=1, swap_dkv=True)),
 }

@@ -56,6 +56,26 @@ def test_backward_matches_reference(head_dim, dtype, causal):
                 check_close(name, got, r, s, 1e-4, case)
 
 
+@pytest.mark.parametrize("head_dim,batch,seqlen,heads", [(128, 3, 4000, (4, 4)), (256, 2, 1500, (8, 4))])
+def test_causal_backward_over_several_sections_of_heads(head_dim, batch, seqlen, heads):
+    """Sequences long enough that the SM90 backward's causal CTA order (longest first within
+    L2-sized sections of (batch, K/V head) pairs: tile_scheduler.section_coords) cuts the pairs
+    into several sections, the last one partial: every K/V block is still computed exactly once."""
+    from cute_attn.kernels.tile_scheduler import backward_heads_per_section
+
+    section = backward_heads_per_section(seqlen, heads[0] // heads[1], head_dim)
+    assert section < batch * heads[1] and (batch * heads[1]) % section, "the case must span a partial section"
+    q, k, v = random_qkv(batch, seqlen, seqlen, *heads, head_dim, torch.bfloat16)
+    out, lse = cute_attn.forward(q, k, v, causal=True, return_lse=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = poisoned_like(q), poisoned_like(k), poisoned_like(v)
+    cute_attn.backward(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv)
+    ref = reference_grads(q, k, v, dout, True, torch.float32)
+    same = baseline_grads(q, k, v, dout, True)
+    for name, got, r, s in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, same):
+        check_close(name, got, r, s, 1e-4, f"d={head_dim} b={batch} s={seqlen} h={heads} sections of {section}")
+
+
 @pytest.mark.parametrize("head_dim", [160, 192, 256])
 def test_large_head_dims_take_the_sm90_large_kernel(arch, head_dim):
     """What the tests above run for d > 128: on Hopper the SM90 large-head-dim backward

@@ -214,6 +214,35 @@ def test_tile_scheduler_visits_every_tile_once_longest_first():
             assert [t[0] for t in tiles[:m_blocks]] == list(range(m_blocks - 1, -1, -1))
 
 
+def test_backward_causal_order_runs_block_0_of_a_section_first():
+    import itertools
+
+    from cute_attn.kernels.tile_scheduler import backward_heads_per_section, section_coords
+    from cute_attn.traits import L2_BYTES_FOR_KV
+
+    for n_blocks, heads, batch, section in [(64, 16, 2, 4), (16, 32, 8, 16), (3, 7, 1, 2), (5, 3, 2, 64)]:
+        order = [section_coords(cta, n_blocks, heads, batch, section) for cta in range(n_blocks * heads * batch)]
+        assert sorted(order) == sorted(itertools.product(range(n_blocks), range(heads), range(batch)))
+        width = min(section, heads * batch)
+        assert [n for n, _, _ in order[:width]] == [0] * width  # the longest CTAs first
+        assert order[width][0] == min(1, n_blocks - 1)
+    # the kernel takes the order only where it is causal, dense and not deterministic
+    import cutlass
+
+    from cute_attn.kernels.sm90.backward import FlashAttentionBackwardSm90
+
+    def order(causal, deterministic, features=Features()):
+        return FlashAttentionBackwardSm90(cutlass.BFloat16, 128, 64, 128, 2, causal, deterministic, features,
+                                          longest_first=True).longest_first
+
+    assert order(True, False) and not order(False, False) and not order(True, True)
+    assert not order(True, False, Features(varlen=True))
+    # Q, dO (bf16) and the fp32 dQ accumulator of a section's query heads fit the L2 budget
+    assert backward_heads_per_section(8192, 1, 128) == L2_BYTES_FOR_KV // (8192 * 128 * 8) == 4
+    assert backward_heads_per_section(2048, 4, 128) == 4
+    assert backward_heads_per_section(10**7, 1, 256) == 1 and backward_heads_per_section(0, 1, 64) > 1
+
+
 def test_heads_per_section_fits_the_l2_budget():
     from cute_attn.traits import L2_BYTES_FOR_KV, heads_per_section
 
@@ -305,6 +334,9 @@ def test_sm90_backward_table_and_fallback():
     assert backward_keys("sm_90a", "bf16", 64, False, False)[1].kernel == "sm80"  # forced sm80 on Hopper
     spec = parse_backward_traits("m64n128s2", 128)
     assert spec == Sm90BackwardTraits(128, 64, 128, 2) and spec.spec == "m64n128s2"
+    # causal d128 runs its CTAs longest first (measured; d64 measured slower with it)
+    assert SM90_BACKWARD[128][True].longest_first and SM90_BACKWARD[128][True].spec == "m64n128s2l"
+    assert not any(t.longest_first for d, by in SM90_BACKWARD.items() for c, t in by.items() if (d, c) != (128, True))
     assert backward_keys("sm_90a", "fp16", 128, True, True, traits=spec)[1].kernel == "sm90"
     with pytest.raises(ValueError, match="sm_90a"):
         backward_keys("sm_80", "fp16", 128, True, True, traits=spec)

@@ -24,17 +24,42 @@ from cutlass import Int32
 from cute_attn.traits import L2_BYTES_FOR_KV, heads_per_section  # noqa: F401
 
 
-def tile_coords(block: Int32, num_m_blocks: Int32, heads: Int32, batch: Int32, section: Int32):
-    """(m_block, head, batch) of tile number ``block`` in longest-first order within sections of
-    ``section`` (batch, head) pairs; a section of 1 is head by head, last Q block first."""
+def section_coords(block: Int32, num_blocks: Int32, heads: Int32, batch: Int32, section: Int32,
+                   reverse: bool = False):
+    """(k, head, batch) of number ``block`` when the (batch, head) pairs are cut into sections of
+    ``section`` pairs and each section runs its pairs' k-th blocks, k = 0, 1, ..., side by side
+    (``reverse``: k = num_blocks - 1, num_blocks - 2, ...). Plain operators (min aside): runs on
+    Python ints in the CPU tests."""
     pairs = heads * batch
-    section_blocks = section * num_m_blocks
+    section_blocks = section * num_blocks
     index = block // section_blocks
     width = cutlass.min(section, pairs - index * section)  # the last section may hold fewer pairs
     rest = block - index * section_blocks
-    m_index = rest // width
-    pair = index * section + (rest - m_index * width)
-    return num_m_blocks - 1 - m_index, pair % heads, pair // heads
+    k = rest // width
+    pair = index * section + (rest - k * width)
+    return num_blocks - 1 - k if reverse else k, pair % heads, pair // heads
+
+
+def tile_coords(block: Int32, num_m_blocks: Int32, heads: Int32, batch: Int32, section: Int32):
+    """(m_block, head, batch) of tile number ``block`` in longest-first order within sections of
+    ``section`` (batch, head) pairs; a section of 1 is head by head, last Q block first."""
+    return section_coords(block, num_m_blocks, heads, batch, section, reverse=True)
+
+
+# The SM90 backward's causal CTAs (one per K/V block; block 0 visits the most Q blocks) can run the
+# same longest-first order (traits: longest_first). In the grid's own order (K/V block fastest) the
+# last head's block 0 starts near the end; a list-scheduling model put that tail at ~6% at d128
+# S 512-8192, but on the H100 sections of 1 and 4 heads ran alike (docs/performance.md). A
+# section's query heads keep their Q and dO (2 bytes each) and the fp32 dQ accumulator in the L2
+# budget, 8 bytes per element.
+BACKWARD_BYTES_PER_Q_ELEMENT = 8
+
+
+def backward_heads_per_section(seqlen_q: Int32, qheads_per_kvhead: Int32, head_dim: int):
+    """(batch, K/V head) pairs per section of the backward's causal order (at least 1): as many as
+    fit their query heads' Q, dO and dQ accumulator in ``L2_BYTES_FOR_KV``."""
+    rows = L2_BYTES_FOR_KV // (BACKWARD_BYTES_PER_Q_ELEMENT * head_dim) // qheads_per_kvhead
+    return cutlass.max(rows // cutlass.max(seqlen_q, 1), 1)
 
 
 def nth_tile(r, cta, grid):

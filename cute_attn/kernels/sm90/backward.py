@@ -6,7 +6,9 @@ The preprocess (D = rowsum(dO * O), LSE in log2, the dQ accumulator zeroed) is t
 Grid: one CTA per (K/V block of ``tile_n`` keys, K/V head, batch). The CTA keeps K and V in shared
 memory and dK, dV in registers, and walks every Q block of every query head that reads its K/V
 head (GQA/MQA: dK and dV are summed in registers), from the first Q block that sees any of its
-keys (causal) to the last. Per Q block, recomputing attention from the saved LSE:
+keys (causal) to the last. With ``longest_first`` (traits: d128 causal) the CTAs run K/V block 0
+of each head of an L2-sized section first, then block 1, ... (``tile_scheduler.section_coords``).
+Per Q block, recomputing attention from the saved LSE:
 
     S^T  = K Q^T,  P^T = exp2(S^T * scale_log2 - LSE_log2)    (masked on the diagonal / seqlen_k end)
     dP^T = V dO^T, dS^T = P^T * (dP^T - D)
@@ -51,7 +53,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.experimental import primitives
 
-from cute_attn.kernels import block_info
+from cute_attn.kernels import block_info, tile_scheduler
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
 from cute_attn.kernels.mask import alibi_slope_units, apply_mask_transposed, apply_softcap
@@ -155,6 +157,7 @@ class FlashAttentionBackwardSm90:
         causal: bool,
         deterministic: bool,
         features: Features = NO_FEATURES,
+        longest_first: bool = False,
     ):
         assert tile_n == 64 * NUM_MMA_WARPGROUPS, "tile_n: 64 keys per MMA warpgroup"
         assert tile_m in (64, 128) and head_dim % 16 == 0
@@ -170,6 +173,8 @@ class FlashAttentionBackwardSm90:
         self.causal = causal
         self.deterministic = deterministic
         self.features = features
+        # causal, non-deterministic, dense: CTAs longest first in sections of heads (traits.py)
+        self.longest_first = longest_first and causal and not deterministic and not features.varlen
         self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
         self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
 
@@ -393,6 +398,12 @@ class FlashAttentionBackwardSm90:
         head_kv, seq, first query head, query heads per K/V head, first Q block, Q blocks per
         head). Every role walks the same (head, Q block) sequence."""
         n_block, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.longest_first):
+            # block 0 of every (batch, K/V head) pair of an L2-sized section, then block 1, ...
+            num_n, heads_kv, batches = cute.arch.grid_dim()
+            cta = n_block + num_n * (head_kv + heads_kv * batch)
+            section = tile_scheduler.backward_heads_per_section(mQ.shape[0], mQ.shape[2] // mK.shape[2], self.head_dim)
+            n_block, head_kv, batch = tile_scheduler.section_coords(cta, num_n, heads_kv, batches, section)
         seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         if const_expr(self.causal and self.deterministic):
             # the last K/V blocks first: the order their dQ shares are added in (dq_semaphore_turn)

@@ -88,6 +88,7 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         self.causal = causal
         self.deterministic = deterministic
         self.features = features
+        self.longest_first = False  # (not measured for the large head dims)
         self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
         self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
         # dK^T, dV^T: the warpgroups split the head dim into whole 64-row tiles, else the keys
