@@ -38,6 +38,20 @@ def baseline_grads(q, k, v, dout, causal):
     return tuple(zip(same, flash))
 
 
+def check_backward(qkv, causal, case):
+    """Forward, then backward into poisoned dq/dk/dv, against the fp32 reference (the error at most
+    2x the same-dtype baseline's plus 1e-4)."""
+    q, k, v = qkv
+    out, lse = cute_attn.forward(q, k, v, causal=causal, return_lse=True)
+    dout = torch.randn_like(out)
+    dq, dk, dv = poisoned_like(q), poisoned_like(k), poisoned_like(v)
+    cute_attn.backward(dout, q, k, v, out, lse, causal=causal, dq=dq, dk=dk, dv=dv)
+    ref = reference_grads(q, k, v, dout, causal, torch.float32)
+    same = baseline_grads(q, k, v, dout, causal)
+    for name, got, r, s in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, same):
+        check_close(name, got, r, s, 1e-4, case)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -45,15 +59,7 @@ def test_backward_matches_reference(head_dim, dtype, causal):
     for seqlen_q, seqlen_k in SEQLENS:
         for heads, heads_kv in HEADS:
             case = f"d={head_dim} {dtype} causal={causal} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv}"
-            q, k, v = random_qkv(2, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype)
-            out, lse = cute_attn.forward(q, k, v, causal=causal, return_lse=True)
-            dout = torch.randn_like(out)
-            dq, dk, dv = poisoned_like(q), poisoned_like(k), poisoned_like(v)
-            cute_attn.backward(dout, q, k, v, out, lse, causal=causal, dq=dq, dk=dk, dv=dv)
-            ref = reference_grads(q, k, v, dout, causal, torch.float32)
-            same = baseline_grads(q, k, v, dout, causal)
-            for name, got, r, s in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, same):
-                check_close(name, got, r, s, 1e-4, case)
+            check_backward(random_qkv(2, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype), causal, case)
 
 
 @pytest.mark.parametrize("head_dim,batch,seqlen,heads", [(128, 3, 4000, (4, 4)), (256, 2, 1500, (8, 4))])
@@ -65,15 +71,8 @@ def test_causal_backward_over_several_sections_of_heads(head_dim, batch, seqlen,
 
     section = backward_heads_per_section(seqlen, heads[0] // heads[1], head_dim)
     assert section < batch * heads[1] and (batch * heads[1]) % section, "the case must span a partial section"
-    q, k, v = random_qkv(batch, seqlen, seqlen, *heads, head_dim, torch.bfloat16)
-    out, lse = cute_attn.forward(q, k, v, causal=True, return_lse=True)
-    dout = torch.randn_like(out)
-    dq, dk, dv = poisoned_like(q), poisoned_like(k), poisoned_like(v)
-    cute_attn.backward(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv)
-    ref = reference_grads(q, k, v, dout, True, torch.float32)
-    same = baseline_grads(q, k, v, dout, True)
-    for name, got, r, s in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, same):
-        check_close(name, got, r, s, 1e-4, f"d={head_dim} b={batch} s={seqlen} h={heads} sections of {section}")
+    check_backward(random_qkv(batch, seqlen, seqlen, *heads, head_dim, torch.bfloat16), True,
+                   f"d={head_dim} b={batch} s={seqlen} h={heads} sections of {section}")
 
 
 @pytest.mark.parametrize("head_dim", [160, 192, 256])
