@@ -417,9 +417,10 @@ class Sm90BackwardTraits:
 # must fit beside them. d192: 96 keys (218 KB; dK^T + dV^T 144 registers per thread, the
 # warpgroups split the keys, since 192 rows of the head dim do not halve into 64-row wgmma tiles);
 # d256: 48 keys (222 KB; 96 registers, the warpgroups split the head dim). Not yet measured.
-# Causal d128 runs its CTAs longest first (K/V block 0 of each head of a section, then block 1...):
-# +2..+8% at S 2048-8192 in burst, +2..+4% sustained; -2% at S 1024; d64 measured -1..-7% with it
-# and keeps the grid's order. The order alone explains little of it: at S 8192 sections of 1 and 4
+# Causal d128 runs its CTAs longest first (K/V block 0 of each head of a section, then block 1...;
+# plain causal only, without window, softcap, ALiBi or varlen: the variant measured): +2..+8% at
+# S 2048-8192 in burst, +2..+4% sustained; -2% at S 1024; d64 measured -1..-11% with it and keeps
+# the grid's order. The order alone explains little of it: at S 8192 sections of 1 and 4
 # heads ran alike, and the SASS inner loop is unchanged but starts 128-byte aligned
 # (docs/performance.md, "Causal CTA order of the backward").
 _B = Sm90BackwardTraits

@@ -236,7 +236,7 @@ def test_backward_causal_order_runs_block_0_of_a_section_first():
                                           longest_first=True).longest_first
 
     assert order(True, False) and not order(False, False) and not order(True, True)
-    assert not order(True, False, Features(varlen=True))
+    assert not order(True, False, Features(varlen=True)) and not order(True, False, Features(softcap=True))
     # Q, dO (bf16) and the fp32 dQ accumulator of a section's query heads fit the L2 budget
     assert backward_heads_per_section(8192, 1, 128) == L2_BYTES_FOR_KV // (8192 * 128 * 8) == 4
     assert backward_heads_per_section(2048, 4, 128) == 4

@@ -6,7 +6,7 @@ The preprocess (D = rowsum(dO * O), LSE in log2, the dQ accumulator zeroed) is t
 Grid: one CTA per (K/V block of ``tile_n`` keys, K/V head, batch). The CTA keeps K and V in shared
 memory and dK, dV in registers, and walks every Q block of every query head that reads its K/V
 head (GQA/MQA: dK and dV are summed in registers), from the first Q block that sees any of its
-keys (causal) to the last. With ``longest_first`` (traits: d128 causal) the CTAs run K/V block 0
+keys (causal) to the last. With ``longest_first`` (traits: d128 plain causal) the CTAs run K/V block 0
 of each head of an L2-sized section first, then block 1, ... (``tile_scheduler.section_coords``).
 Per Q block, recomputing attention from the saved LSE:
 
@@ -173,8 +173,9 @@ class FlashAttentionBackwardSm90:
         self.causal = causal
         self.deterministic = deterministic
         self.features = features
-        # causal, non-deterministic, dense: CTAs longest first in sections of heads (traits.py)
-        self.longest_first = longest_first and causal and not deterministic and not features.varlen
+        # plain causal (no optional feature: the variant measured), not deterministic: CTAs longest
+        # first in sections of heads (traits.py)
+        self.longest_first = longest_first and causal and not deterministic and features == NO_FEATURES
         self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
         self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
 
