@@ -66,6 +66,19 @@ def row_copy(dtype: Type[cutlass.Numeric], threads_per_row: int) -> cute.TiledCo
     )
 
 
+def clamped_row(row, num_rows, seqlen, heads):
+    """(row_ok, b, i, h) of output row ``row`` of ``num_rows`` = batch * seqlen * heads rows (h
+    fastest). A row past the last is clamped to the last (row_ok False): its lanes redo that row
+    and store nothing, so that every lane of a warp reaches the warp's shuffles and barriers. Also
+    the ring merge's."""
+    row_ok = row < num_rows
+    row = cutlass.min(row, num_rows - 1)
+    h = row % heads
+    bi = row // heads
+    i = bi % seqlen
+    return row_ok, bi // seqlen, i, h
+
+
 class SplitCombine:
     """Compile-time configuration of the combine kernel; ``__call__`` is the host-side launch."""
 
@@ -131,14 +144,8 @@ class SplitCombine:
         batch, seqlen_q, heads, head_dim = mO.shape
         num_rows = batch * seqlen_q * heads
         row = (cta * (self.num_warps // group) + warp // group) * self.rows_per_warp + r
-        row_ok = row < num_rows
-        # Lanes past the last row redo the last row and store nothing: every lane of a warp must
-        # reach the shuffles of _row_lse (a warp can hold several rows when threads_per_row < 32).
-        row = cutlass.min(row, num_rows - 1)
-        h = row % heads
-        bi = row // heads
-        i = bi % seqlen_q
-        b = bi // seqlen_q
+        # (a warp can hold several rows when threads_per_row < 32: all reach _row_lse's shuffles)
+        row_ok, b, i, h = clamped_row(row, num_rows, seqlen_q, heads)
 
         tile = (1, self.head_dim)
         thr = copy_acc.get_slice(c)

@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
-from cute_attn.kernels.combine import LN2, LOG2E, row_copy, row_lanes
+from cute_attn.kernels.combine import LN2, LOG2E, clamped_row, row_copy, row_lanes
 
 
 class RingMerge:
@@ -67,14 +67,8 @@ class RingMerge:
         batch, seqlen, heads, head_dim = mPart.shape
         num_rows = batch * seqlen * heads
         row = cta * self.rows_per_cta + tidx // tpr
-        # Lanes past the last row redo the last row and store nothing: every lane of a warp reaches
-        # the warp barrier before the LSE store.
-        row_ok = row < num_rows
-        row = cutlass.min(row, num_rows - 1)
-        h = row % heads
-        bi = row // heads
-        i = bi % seqlen
-        b = bi // seqlen
+        # (every lane of a warp reaches the warp barrier before the LSE store)
+        row_ok, b, i, h = clamped_row(row, num_rows, seqlen, heads)
         acc_row = i
         if const_expr(self.indexed):
             acc_row = mRowIndex[i]
