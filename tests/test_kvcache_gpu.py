@@ -219,12 +219,14 @@ def test_append(page_size, causal):
         check_kvcache(q, k_cache, v_cache, case, k, v, cache_seqlens=lengths, block_table=table, causal=causal)
 
 
-@pytest.mark.parametrize("page_size", [16, 64, 256])
+# 48 and 192 keys: pages of 3 K/V blocks (16 and 64 keys), so the kernel's page index is a true
+# division by blocks per page, not a shift
+@pytest.mark.parametrize("page_size", [16, 48, 64, 192, 256])
 def test_paged_equals_contiguous(page_size):
     """The same cache contiguous and paged through a shuffled block table (pages beyond those of the
     sequences in the pool): both match the reference, each other, and the caches after the append
     hold the same rows."""
-    capacity, batch = 1024, 4
+    capacity, batch = 1024 // page_size * page_size, 4
     for seqlen_q, causal in [(1, False), (4, True), (17, False)]:
         q, k_cache, v_cache, k, v = decode_inputs(batch, seqlen_q, 32, 8, 128, capacity, BF16, seqlen_q)
         k_paged, v_paged, table = to_paged(k_cache, v_cache, page_size)

@@ -305,11 +305,14 @@ class FlashAttentionForwardSm80:
             softcap_scale=softcap_scale if const_expr(self.features.softcap) else None, qhead_per_kvhead=pack,
         )
 
-        pages_k = pages_v = None
-        if const_expr(self.features.paged):  # (block table row, K or V of this head by page, the copy slice)
-            table = mBlockTable[seq.batch, None]
-            pages_k = (table, mK[None, None, head_kv, None], thr_load)
-            pages_v = (table, mV[None, None, head_kv, None], thr_load)
+        pages_k = pages_v = page_of = None
+        if const_expr(self.features.paged):  # (K or V of this head by page, the copy slice)
+            # the page of block n is n // blocks_per_page (tile_n divides the page size), by
+            # multiply and shift: an integer division per load cost ~20 instructions
+            blocks_per_page = cute.FastDivmodDivisorV2(mK.shape[1] // self.tile_n)
+            page_of = partial(self._page_of, mBlockTable[seq.batch, None], blocks_per_page)
+            pages_k = (mK[None, None, head_kv, None], thr_load)
+            pages_v = (mV[None, None, head_kv, None], thr_load)
         load_K = partial(self._load_kv, copy_load, tKgK, tKsK, tKVcKV, seqlen_k, head_dim, pages_k)
         load_V = partial(self._load_kv, copy_load, tVgV, tVsV, tKVcKV, seqlen_k, head_dim, pages_v)
 
@@ -327,19 +330,22 @@ class FlashAttentionForwardSm80:
             mQ_rows = seq.q_rows(mQ[b, None, None, None])  # (seqlen_q, heads, d)
             self._copy_packed_rows(copy_load, tQgQ, tQsQ, tQcQ, rows_left, head_dim, mQ_rows, row_q_head,
                                    to_global=False)
-        load_K(n_first, 0, boundary=True)
+        page_first = page_second = None
+        if const_expr(self.features.paged):
+            page_first, page_second = page_of(n_first), page_of(n_first - 1)
+        load_K(n_first, 0, boundary=True, page=page_first)
         cute.arch.cp_async_commit_group()
         if const_expr(self.num_stages == 2):
-            load_V(n_first, 0, boundary=True)
+            load_V(n_first, 0, boundary=True, page=page_first)
             cute.arch.cp_async_commit_group()
             if n_first - 1 >= 0:
-                load_K(n_first - 1, 1, boundary=False)
+                load_K(n_first - 1, 1, boundary=False, page=page_second)
             cute.arch.cp_async_commit_group()
 
         attend = self._attend_block
         ctx = (
             thr_mma, mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_Q, ldsm_K, ldsm_V,
-            acc_O, softmax, load_K, load_V, score_mod,
+            acc_O, softmax, load_K, load_V, score_mod, page_of,
         )
         # From the last visible block down: the blocks crossing the seqlen_k end or the right edge
         # (causal diagonal / window) are masked, then the fully visible ones, then those crossing
@@ -454,26 +460,31 @@ class FlashAttentionForwardSm80:
         n_block: Int32,
         stage,
         boundary: cutlass.Constexpr[bool],
+        page=None,
     ):
         """cp.async one K or V block into a stage; ``boundary``: the block may end past seqlen_k.
-        ``pages``: a paged cache (block table row, K or V by page, the thread's copy slice): the
-        block is a tile_n-row slice of one page (tile_n divides the page size)."""
+        ``pages``: a paged cache (K or V by page, the thread's copy slice), ``page`` then the
+        block's (page, block within the page) from ``_page_of``."""
         if const_expr(pages is None):
             src = tXgX[None, None, None, n_block]
         else:
-            table, mX_pages, thr_load = pages
-            page_size = mX_pages.shape[1]
-            row = n_block * self.tile_n
-            page_idx = row // page_size
-            # (clamped: a sequence without keys still loads block 0, every row predicated off)
-            page = table[cutlass.min(page_idx, cute.size(table.shape[0]) - 1)]
-            g_block = cute.local_tile(mX_pages[page, None, None], (self.tile_n, self.head_dim),
-                                      ((row - page_idx * page_size) // self.tile_n, 0))
+            mX_pages, thr_load = pages
+            page_idx, block_in_page = page
+            g_block = cute.local_tile(mX_pages[page_idx, None, None], (self.tile_n, self.head_dim),
+                                      (block_in_page, 0))
             src = thr_load.partition_S(g_block)
         common.copy_rows(
             copy_load, src, tXsX[None, None, None, stage], tXcX,
             seqlen_k - n_block * self.tile_n, head_dim, boundary, self.check_hdim,
         )
+
+    @cute.jit
+    def _page_of(self, table: cute.Tensor, blocks_per_page, n_block: Int32):
+        """Paged cache: (page, block within the page) of K/V block ``n_block`` (a tile_n-row slice
+        of one page), from the sequence's block table row. A block before 0 (no load follows) and
+        a sequence without keys (block 0, every row predicated off) read a valid entry."""
+        page_idx, block_in_page = divmod(cutlass.max(n_block, 0), blocks_per_page)
+        return table[cutlass.min(page_idx, cute.size(table.shape[0]) - 1)], block_in_page
 
     def _advance(self, stage: Int32) -> Int32:
         return (stage + 1) % self.num_stages
@@ -489,9 +500,15 @@ class FlashAttentionForwardSm80:
     ):
         """One K/V block: S = Q K^T, mask, online softmax, O += P V, with the next loads in flight."""
         (thr_mma, mma, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, ldsm_Q, ldsm_K, ldsm_V,
-         acc_O, softmax, load_K, load_V, score_mod) = ctx
+         acc_O, softmax, load_K, load_V, score_mod, page_of) = ctx
         s = self.num_stages
         stage_r = read_stage if const_expr(s > 1) else 0
+        page_v = page_k = None
+        if const_expr(page_of is not None):
+            # the block-table reads of this iteration's loads come first, so that their latency
+            # passes in the wait below rather than in front of each load
+            page_v = page_of(n_block - (s - 1))
+            page_k = page_of(n_block - s if const_expr(s > 1) else n_block - 1)
 
         cute.arch.cp_async_wait_group(2 * s - 2)  # K[n_block] landed ...
         cute.arch.barrier()  # ... for every thread, and everyone is done with the buffer reused next
@@ -499,7 +516,7 @@ class FlashAttentionForwardSm80:
         v_block = n_block - (s - 1)
         if v_block >= 0:
             # (one stage: the first block's V, the seqlen_k boundary, is loaded here)
-            load_V(v_block, write_stage if const_expr(s > 1) else 0, boundary=masked and s == 1)
+            load_V(v_block, write_stage if const_expr(s > 1) else 0, boundary=masked and s == 1, page=page_v)
         cute.arch.cp_async_commit_group()
 
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
@@ -511,7 +528,7 @@ class FlashAttentionForwardSm80:
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
             if n_block - 1 >= 0:
-                load_K(n_block - 1, 0, boundary=False)
+                load_K(n_block - 1, 0, boundary=False, page=page_k)
             cute.arch.cp_async_commit_group()
 
         score_mod(acc_S, n_block=n_block, check_bounds=masked)
@@ -530,5 +547,5 @@ class FlashAttentionForwardSm80:
             # than before it: its address arithmetic then does not compete with P and O for
             # registers, and it still has a whole iteration to land.
             if n_block - s >= 0:
-                load_K(n_block - s, read_stage, boundary=False)
+                load_K(n_block - s, read_stage, boundary=False, page=page_k)
             cute.arch.cp_async_commit_group()
