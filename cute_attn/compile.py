@@ -199,8 +199,9 @@ def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, determin
     check = head_dim != padded
     if traits is not None:
         kernel, candidates = ("sm90" if isinstance(traits, Sm90BackwardTraits) else "sm80"), (traits,)
-    elif kernel == "sm90" and target == "sm_90a" and sm90_backward_traits(head_dim, causal, smem_capacity):
-        candidates = sm90_backward_traits(head_dim, causal, smem_capacity)
+    elif kernel == "sm90" and target == "sm_90a" and sm90_backward_traits(head_dim, causal, smem_capacity,
+                                                                          features.varlen):
+        candidates = sm90_backward_traits(head_dim, causal, smem_capacity, features.varlen)
     else:
         kernel, candidates = "sm80", sm80_backward_traits(head_dim)
     if kernel == "sm90" and target != "sm_90a":

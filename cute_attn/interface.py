@@ -761,8 +761,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
     and ``batch`` sequences): a function of (dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q,
     cu_seqlens_k, alibi_slopes[, seqused_k])."""
-    from cute_attn.traits import BACKWARD_ROW_PAD as ROW_PAD
-    from cute_attn.traits import varlen_padded_rows
+    from cute_attn.traits import backward_padded_rows, varlen_padded_rows
 
     plan = dispatch.plan_for_device(q.device)
     pre, main = _backward_keys(plan, q, opts, deterministic, traits)
@@ -777,11 +776,10 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     post = compile_mod.backward_post_key(main, chosen)
     _, rows_q, heads, _ = q.shape
     varlen = opts.features.varlen
-    pad = math.lcm(ROW_PAD, chosen.tile_m)  # whole Q blocks of the main kernel and of the preprocess
     if varlen:  # each sequence's rows start at a multiple of 128 (kernels/seqlen_info.py)
         rows_pad, num_seqs = varlen_padded_rows(rows_q, batch), batch
     else:
-        rows_pad, num_seqs = -(-rows_q // pad) * pad, q.shape[0]
+        rows_pad, num_seqs = backward_padded_rows(rows_q, chosen.tile_m), q.shape[0]
     sem_blocks = -(-max_seqlen_q // chosen.tile_m)
     device, head_dim = q.device, main.head_dim
     f32 = dict(dtype=torch.float32, device=device)

@@ -407,8 +407,12 @@ class Sm90BackwardTraits:
 # MMA warpgroups, per head dim and causality. Q blocks of 128 rows where the S^T and dP^T
 # accumulators (tile_m / 2 fp32 each per thread) fit beside dK and dV (head_dim / 2 each); 64 rows
 # for larger head dims. Measured on H100 (docs/performance.md, 2026-11-23): d64 at 1.00-1.03x and
-# d128 at 0.95-0.98x FlashAttention-4 sustained; FA3's 80-row Q blocks for d128 non-causal (dQ
-# computed as dQ^T = K^T dS^T) ran slower here than 64 rows.
+# d128 at 0.95-0.98x FlashAttention-4 sustained. d128 non-causal takes FA3's 80-row Q blocks (dQ
+# computed as dQ^T = K^T dS^T, the head dim along wgmma's M): the per-Q-block work outside the
+# element-wise math (~230 instructions per MMA warp: descriptors, barriers, LSE/D loads) spreads
+# over 80 rows instead of 64, 6.0 instead of 6.5 instructions per row and key column; measured
+# against 64 rows in one run (2026-11-24): +5-6% from S 4096, level at 1024-2048 (ncu at S 8192:
+# 64 rows executed 14% more instructions than FA4's 80). Varlen keeps 64 rows (sm90_backward_traits).
 # d192/d256: that kernel's dK and dV alone would take 192/256 registers per thread at 128 keys per
 # CTA, so they run kernels/sm90/backward_large.py (FlashAttention-3/4's decomposition for large
 # head dims: 64 Q rows, S and dP not transposed, dK^T and dV^T with the head dim on the wgmma M
@@ -428,16 +432,20 @@ SM90_BACKWARD = {
     32: dict.fromkeys((False, True), _B(32, tile_m=128)),
     64: dict.fromkeys((False, True), _B(64, tile_m=128)),
     96: dict.fromkeys((False, True), _B(96, tile_m=64)),
-    128: {False: _B(128, tile_m=64), True: _B(128, tile_m=64, longest_first=True)},
+    128: {False: _B(128, tile_m=80), True: _B(128, tile_m=64, longest_first=True)},
     192: dict.fromkeys((False, True), _B(192, tile_m=64, tile_n=96, num_stages=2, do_stages=1, swap_dkv=True)),
     256: dict.fromkeys((False, True), _B(256, tile_m=64, tile_n=48, num_stages=2, do_stages=1, swap_dkv=True)),
 }
 
 
-def sm90_backward_traits(head_dim: int, causal: bool = False,
-                         smem_capacity: int | None = None) -> tuple[Sm90BackwardTraits, ...]:
-    """The SM90 backward candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80)."""
+def sm90_backward_traits(head_dim: int, causal: bool = False, smem_capacity: int | None = None,
+                         varlen: bool = False) -> tuple[Sm90BackwardTraits, ...]:
+    """The SM90 backward candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80).
+    Varlen takes 64-row Q blocks where the table has 80: a sequence's rows start at a multiple of
+    VARLEN_ROW_PAD in the row buffers, which 80-row blocks would overrun."""
     t = SM90_BACKWARD.get(padded_head_dim(head_dim), {}).get(bool(causal))
+    if t is not None and varlen and VARLEN_ROW_PAD % t.tile_m:
+        t = replace(t, tile_m=64)
     return tuple(c for c in (t,) if c is not None and (not smem_capacity or c.smem_bytes() <= smem_capacity))
 
 
@@ -446,10 +454,18 @@ def sm90_backward_traits(head_dim: int, causal: bool = False,
 # (compile.KernelCache loads them through TVM-FFI alone).
 
 # The backward's fp32 row buffers (LSE in log2, D, the dQ accumulator) are padded to whole blocks of
-# this many rows; every backward tile_m and the preprocess divide it.
+# this many rows (the preprocess's blocks; every backward tile_m divides it but the 80 of d128
+# non-causal, whose last Q block the padding covers too: ``backward_padded_rows``).
 BACKWARD_ROW_PAD = 128
 # varlen: each sequence's rows in those buffers start at a multiple of this (kernels/seqlen_info.py)
 VARLEN_ROW_PAD = 128
+
+
+def backward_padded_rows(seqlen_q: int, tile_m: int) -> int:
+    """Rows of the backward's dense row buffers (host side): whole Q blocks of the main kernel, then
+    whole blocks of the preprocess (which writes every row: LSE_log2 = +inf, D = 0 past seqlen_q)."""
+    rows = -(-seqlen_q // tile_m) * tile_m
+    return -(-rows // BACKWARD_ROW_PAD) * BACKWARD_ROW_PAD
 
 
 def varlen_padded_rows(total_q: int, batch: int) -> int:

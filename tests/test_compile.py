@@ -18,12 +18,14 @@ from cute_attn.compile import (
 )
 from cute_attn.kernels.features import Features
 from cute_attn.traits import (
+    BACKWARD_ROW_PAD,
     HEAD_DIMS,
     SM80_FORWARD,
     SM90_BACKWARD,
     SM90_FORWARD,
     Sm90BackwardTraits,
     Sm90ForwardTraits,
+    backward_padded_rows,
     fit_to_smem,
     padded_head_dim,
     parse_backward_traits,
@@ -336,6 +338,12 @@ def test_sm90_backward_table_and_fallback():
     assert spec == Sm90BackwardTraits(128, 64, 128, 2) and spec.spec == "m64n128s2"
     # causal d128 runs its CTAs longest first (measured; d64 measured slower with it)
     assert SM90_BACKWARD[128][True].longest_first and SM90_BACKWARD[128][True].spec == "m64n128s2l"
+    # d128 non-causal: 80-row Q blocks (dQ^T), except varlen, whose sequences start every 128 rows
+    assert SM90_BACKWARD[128][False].spec == "m80n128s2"
+    for f, tile_m in ((Features(), 80), (Features(softcap=True, alibi=True, local=True), 80),
+                      (Features(varlen=True), 64), (Features(varlen=True, seqused=True, softcap=True), 64)):
+        for d in (128, 112):
+            assert backward_keys("sm_90a", "bf16", d, False, True, kernel="sm90", features=f)[1].traits.tile_m == tile_m
     assert not any(t.longest_first for d, by in SM90_BACKWARD.items() for c, t in by.items() if (d, c) != (128, True))
     assert backward_keys("sm_90a", "fp16", 128, True, True, traits=spec)[1].kernel == "sm90"
     with pytest.raises(ValueError, match="sm_90a"):
@@ -348,6 +356,17 @@ def test_sm90_backward_table_and_fallback():
     assert kernels == {"sm80", "sm90"}
     assert all(k.target == "sm_90a" for k in backward_variants(["sm_80", "sm_90a"], [64], ["bf16"], [True])
                if isinstance(k, BackwardKey) and k.kernel == "sm90")
+
+
+def test_backward_padded_rows_hold_whole_q_blocks():
+    # the dense row buffers hold every Q block of the main kernel and of the preprocess (128 rows)
+    for tile_m in (64, 80, 128):
+        for seqlen in (1, 17, 79, 80, 81, 113, 127, 128, 129, 160, 1000, 8192, 8193):
+            rows = backward_padded_rows(seqlen, tile_m)
+            assert rows % BACKWARD_ROW_PAD == 0 and rows >= -(-seqlen // tile_m) * tile_m
+            assert rows - seqlen < tile_m + BACKWARD_ROW_PAD
+    assert backward_padded_rows(8192, 80) == 8320 and backward_padded_rows(113, 80) == 256
+    assert backward_padded_rows(8192, 64) == 8192
 
 
 def test_traits_fit_ampere_and_shrink_for_small_smem():

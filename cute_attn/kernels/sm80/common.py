@@ -31,10 +31,12 @@ def smem_layout_atom(dtype: Type[cutlass.Numeric], head_dim: int) -> cute.Compos
     )
 
 
-def gmem_tiled_copy(dtype, head_dim: int, num_threads: int, asynchronous: bool) -> cute.TiledCopy:
-    """Threads cover one swizzle atom's row with 128-bit vectors; the rest go down the rows."""
+def gmem_tiled_copy(dtype, head_dim: int, num_threads: int, asynchronous: bool, cols: int | None = None) -> cute.TiledCopy:
+    """Threads cover one swizzle atom's row with 128-bit vectors (or ``cols`` columns); the rest go
+    down the rows."""
     elems = COPY_BITS // dtype.width
-    cols = 64 if head_dim % 64 == 0 else 32
+    if cols is None:
+        cols = 64 if head_dim % 64 == 0 else 32
     threads_per_row = cols // elems
     op = (
         cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
@@ -201,24 +203,32 @@ def store_acc_tile(
     rows_left: Int32,
     cols_valid: Int32,
     check_cols: cutlass.Constexpr[bool],
+    transposed: cutlass.Constexpr[bool] = False,
 ):
     """Write a converted accumulator tile (MMA C layout in registers) to global memory through
     shared memory ``sX``, so that the global stores are 128-bit and row-contiguous. The caller makes
-    sure nobody still reads ``sX``'s memory (a barrier) before calling."""
-    thr_store, tXrX, coords = acc_tile_to_rows(rX, sX, mma, copy_store, tidx)
+    sure nobody still reads ``sX``'s memory (a barrier) before calling. ``transposed``: the
+    accumulator holds the tile's transpose (columns x rows)."""
+    thr_store, tXrX, coords = acc_tile_to_rows(rX, sX, mma, copy_store, tidx, transposed)
     store_rows(copy_store, tXrX, thr_store.partition_D(gX), coords, rows_left, cols_valid, check_cols)
 
 
 @cute.jit
-def acc_tile_to_rows(rX: cute.Tensor, sX: cute.Tensor, mma: cute.TiledMma, copy_store: cute.TiledCopy, tidx: Int32):
+def acc_tile_to_rows(rX: cute.Tensor, sX: cute.Tensor, mma: cute.TiledMma, copy_store: cute.TiledCopy, tidx: Int32,
+                     transposed: cutlass.Constexpr[bool] = False):
     """``store_acc_tile``'s first half: the accumulator tile through ``sX`` into each thread's
     row-contiguous vectors of ``copy_store``. Returns (the thread's copy slice, its vectors, their
-    (row, col) coordinates)."""
+    (row, col) coordinates). ``transposed``: rX holds sX's transpose, written element by element
+    into a transposed view (an accumulator's neighbours are then a row apart)."""
+    pair = 1 if const_expr(transposed) else 2
     r2s = cute.make_tiled_copy_C(
-        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), rX.element_type, num_bits_per_copy=2 * rX.element_type.width),
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), rX.element_type, num_bits_per_copy=pair * rX.element_type.width),
         mma,
     ).get_slice(tidx)
-    cute.copy(r2s, r2s.retile(rX), r2s.partition_D(sX))
+    sX_acc = sX
+    if const_expr(transposed):
+        sX_acc = cute.make_tensor(sX.iterator, cute.select(sX.layout, mode=[1, 0]))
+    cute.copy(r2s, r2s.retile(rX), r2s.partition_D(sX_acc))
     cute.arch.barrier()
     thr_store = copy_store.get_slice(tidx)
     tXsX = thr_store.partition_S(sX)

@@ -22,7 +22,10 @@ sequence's K/V blocks and those past a shorter one's end do nothing).
 
 S and dP are computed transposed (keys along the wgmma M dimension, one warpgroup per 64 keys),
 so P^T and dS^T land in registers exactly as the A operand of the dV and dK GEMMs need them: P
-never touches shared memory, dS does once, for dQ = dS K, which needs all the CTA's keys.
+never touches shared memory, dS does once, for dQ = dS K, which needs all the CTA's keys. With
+80-row Q blocks (d128 non-causal, traits.py: fewer instructions per row than 64) wgmma's M cannot
+take the rows, so that GEMM runs as dQ^T = K^T dS^T (``dq_transposed``) and the postprocess
+reads dQ^T's fragments back.
 
 Warp specialisation (``kernel``):
 - warp 0 (producer): TMA loads K and V once, then per Q block Q + LSE and dO + D into
@@ -120,9 +123,20 @@ def dq_slot_copy(num_chunks: int) -> cute.TiledCopy:
     )
 
 
+def dq_transposed(tile_m: int) -> bool:
+    """Q blocks of a row count wgmma's M cannot take (80: FlashAttention-3's d128 non-causal tile)
+    compute dQ^T = K^T dS^T, the head dim along M."""
+    return tile_m % 64 != 0
+
+
 def dq_tiled_mma(dtype, tile_m: int, head_dim: int) -> cute.TiledMma:
     """dQ = dS K: with 128-row Q blocks the two warpgroups take 64 rows each, with 64 half the
-    head dim each; either way every warpgroup reads all of dS's keys."""
+    head dim each; either way every warpgroup reads all of dS's keys. ``dq_transposed``: dQ^T =
+    K^T dS^T, each warpgroup 64 of the head dim's columns (M, K^T read MN-major) by all tile_m rows
+    (N), also over all keys."""
+    if dq_transposed(tile_m):
+        return common.tiled_mma(dtype, NUM_MMA_WARPGROUPS, tile_m, b_major_mn=False, a_in_registers=False,
+                                a_major_mn=True)
     if tile_m == 64 * NUM_MMA_WARPGROUPS:
         return common.tiled_mma(dtype, NUM_MMA_WARPGROUPS, head_dim, b_major_mn=True, a_in_registers=False)
     return common.tiled_mma(dtype, NUM_MMA_WARPGROUPS, head_dim // NUM_MMA_WARPGROUPS, b_major_mn=True,
@@ -142,7 +156,8 @@ class FlashAttentionBackwardSm90:
     """Compile-time configuration of one main backward variant; ``__call__`` launches it.
 
     head_dim: the padded head dim (TMA zero-fills the columns past the actual one on load and
-    clips them on store). tile_n: 64 keys per MMA warpgroup. tile_m: Q rows per block (64 or 128).
+    clips them on store). tile_n: 64 keys per MMA warpgroup. tile_m: Q rows per block (64 or 128;
+    80 at d128, with dQ^T: ``dq_transposed``).
     num_stages: shared-memory buffers for each of Q and dO (and dS).
     features: local window, softcap, ALiBi, varlen (kernels/features.py).
     """
@@ -160,8 +175,11 @@ class FlashAttentionBackwardSm90:
         longest_first: bool = False,
     ):
         assert tile_n == 64 * NUM_MMA_WARPGROUPS, "tile_n: 64 keys per MMA warpgroup"
-        assert tile_m in (64, 128) and head_dim % 16 == 0
+        assert tile_m in (64, 80, 128) and head_dim % 16 == 0
         assert tile_m == 128 or head_dim % (16 * NUM_MMA_WARPGROUPS) == 0
+        assert not dq_transposed(tile_m) or head_dim == 64 * NUM_MMA_WARPGROUPS, "dQ^T: 64 columns per warpgroup"
+        # (a varlen sequence's rows start at a multiple of 128 in the row buffers: traits.sm90_backward_traits)
+        assert not (dq_transposed(tile_m) and features.varlen), "varlen: 64- or 128-row Q blocks"
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
@@ -519,8 +537,12 @@ class FlashAttentionBackwardSm90:
         tdKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
         tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
         tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
+        if const_expr(dq_transposed(self.tile_m)):  # dQ^T = K^T dS^T: K^T (MN-major) as A, dS as B
+            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+            tdQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_smem(sK)))
+        else:
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
         acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
         acc_dK.fill(0.0)
@@ -636,8 +658,12 @@ class FlashAttentionBackwardSm90:
         cute.arch.barrier(barrier_id=int(Barrier.PDS), number_of_threads=self.num_mma_threads)
 
         # dQ = dS K (both warpgroups' keys), then dK += dS^T Q
-        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-        common.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, q_stage], tdQrKt, zero_init=True, wait=1)
+        if const_expr(dq_transposed(self.tile_m)):
+            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.head_dim, self.tile_m)), Float32)
+            common.wgmma(mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, q_stage], zero_init=True, wait=1)
+        else:
+            acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+            common.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, q_stage], tdQrKt, zero_init=True, wait=1)
         common.release_stage(pipe_do, do_state)  # dO: read by dP^T and dV, both done
         common.wgmma(mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, q_stage], zero_init=False, wait=1)
 
@@ -721,7 +747,11 @@ class BackwardPostprocessSm90:
         class SharedStorage:
             sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)], 1024]
 
-        copy_store = sm80_common.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, asynchronous=False)
+        # whole rows of 64 columns take 32 rows per pass of the 256 threads; an 80-row tile takes
+        # rows of 128 (16 per pass), so no pass reads past the tile
+        cols = self.head_dim if self.tile_m % (self.num_threads * 8 // 64) else None
+        copy_store = sm80_common.gmem_tiled_copy(self.dtype, self.head_dim, self.num_threads, asynchronous=False,
+                                                 cols=cols)
         mma_dq = dq_tiled_mma(self.dtype, self.tile_m, self.head_dim)
         varlen = const_expr(self.varlen)
         num_batches = mCuSeqlensQ.shape[0] - 1 if varlen else mdQ.shape[0]
@@ -752,7 +782,9 @@ class BackwardPostprocessSm90:
               mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr, seq: SeqlenInfo, m_block: Int32, head: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         tile = (self.tile_m, self.head_dim)
-        acc = cute.make_rmem_tensor(mma_dq.get_slice(tidx).partition_shape_C(tile), Float32)
+        transposed = dq_transposed(self.tile_m)  # the slots hold dQ^T's fragments
+        acc = cute.make_rmem_tensor(mma_dq.get_slice(tidx).partition_shape_C(
+            (self.head_dim, self.tile_m) if const_expr(transposed) else tile), Float32)
         slots = dq_slot_copy(NUM_MMA_WARPGROUPS).get_slice(tidx).partition_S(
             dq_accum_slots(mdQ_accum, seq, head, m_block, self.tile_m, self.head_dim, NUM_MMA_WARPGROUPS))
         flat = cute.make_tensor(acc.iterator, cute.make_layout(slots.shape))
@@ -762,4 +794,4 @@ class BackwardPostprocessSm90:
         sdQ = cutlass.memory.SmemAllocator().allocate(SharedStorage).sdQ.get_tensor(sdQ_layout)
         gdQ = cute.local_tile(seq.q_rows(mdQ[seq.tensor_batch, None, head, None]), tile, (m_block, 0))
         sm80_common.store_acc_tile(rdQ, sdQ, mma_dq, copy_store, gdQ, tidx, seq.seqlen_q - m_block * self.tile_m,
-                                   mdQ.shape[3], self.check_hdim)
+                                   mdQ.shape[3], self.check_hdim, transposed=transposed)
