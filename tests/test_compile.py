@@ -76,7 +76,8 @@ DECODE_SUBSET = [  # (target, dtype, head_dim, causal, features, page size): a p
 
 
 BWD_SUBSET = [  # (head_dim, dtype, causal, deterministic): with the SM90 kernel on sm_90a, every
-    # entry of its traits table (d32/64: 128-row Q blocks; d96 (72 padded)/128: 64-row)
+    # entry of its traits table (d32/64: 128-row Q blocks; d96 (72 padded)/128 causal: 64-row;
+    # d128 non-causal: 80-row, dQ^T)
     (64, "bf16", True, False),
     (128, "fp16", False, True),
     (72, "bf16", True, False),
@@ -106,6 +107,9 @@ def _bwd_keys(all_variants):
     }
     for t, d in (("sm_90a", 128), ("sm_80", 64)):  # varlen + seqused_k + the score features
         keys.update(dict.fromkeys(backward_variants([t], [d], ["bf16"], [True], [False], features=[VARLEN_ALL])))
+    # the score features on the 80-row (dQ^T) kernel, and varlen non-causal, which keeps 64 rows
+    for f in (Features(local=True, softcap=True, alibi=True), VARLEN_ALL):
+        keys.update(dict.fromkeys(backward_variants(["sm_90a"], [128], ["bf16"], [False], [False], features=[f])))
     for d, dt, c, det, f in BWD_LARGE_SUBSET:
         keys.update(dict.fromkeys(backward_variants(["sm_90a"], [d], [dt], [c], [det], kernels=("sm90",),
                                                     features=(f,))))
@@ -294,6 +298,12 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
             dkv = [line for line in ptx.splitlines() if f"aligned.m64n{dkv_n}k16" in line]
             assert any(line.rstrip().endswith("1, 1;") for line in dkv), "no MN-major dK^T / dV^T wgmma"
             assert "stmatrix.sync.aligned.m8n8.x4.trans" in ptx
+        elif t.tile_m % 64:
+            # 80-row Q blocks: S^T, dP^T with N = 80 (both K-major), and dQ^T = K^T dS^T with K^T
+            # MN-major (the first trailing transpose flag), 8 k-steps over the 128 keys
+            rows = [line for line in ptx.splitlines() if f"aligned.m64n{t.tile_m}k16" in line]
+            assert sum(line.rstrip().endswith("1, 0;") for line in rows) == t.tile_n // 16, "no dQ^T wgmma"
+            assert sum(line.rstrip().endswith("0, 0;") for line in rows) == 2 * t.head_dim // 16
         assert counts["ld.local/st.local"] == 0 and res["stack_frame"] == 0, (
             f"{bwd_key.name}: {res['stack_frame']} bytes of local memory (spills)")
         return
