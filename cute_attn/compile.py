@@ -199,6 +199,11 @@ def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, determin
     check = head_dim != padded
     if traits is not None:
         kernel, candidates = ("sm90" if isinstance(traits, Sm90BackwardTraits) else "sm80"), (traits,)
+        if kernel == "sm90" and not traits.swap_dkv and traits.tile_m % 64:
+            # 80-row Q blocks: dQ^T with 64 head-dim columns per warpgroup, rows padded densely
+            if padded != 128 or features.varlen:
+                raise ValueError(f"traits {traits.spec}: Q blocks of {traits.tile_m} rows need head_dim 97-128 "
+                                 f"and no varlen (got head_dim {head_dim}, varlen={features.varlen})")
     elif kernel == "sm90" and target == "sm_90a" and sm90_backward_traits(head_dim, causal, smem_capacity,
                                                                           features.varlen):
         candidates = sm90_backward_traits(head_dim, causal, smem_capacity, features.varlen)

@@ -409,8 +409,8 @@ class Sm90BackwardTraits:
 # for larger head dims. Measured on H100 (docs/performance.md, 2026-11-23): d64 at 1.00-1.03x and
 # d128 at 0.95-0.98x FlashAttention-4 sustained. d128 non-causal takes FA3's 80-row Q blocks (dQ
 # computed as dQ^T = K^T dS^T, the head dim along wgmma's M): the per-Q-block work outside the
-# element-wise math (~230 instructions per MMA warp: descriptors, barriers, LSE/D loads) spreads
-# over 80 rows instead of 64, 6.0 instead of 6.5 instructions per row and key column; measured
+# element-wise math (~225 instructions per MMA warp: descriptors, barriers, LSE/D loads) spreads
+# over 80 rows instead of 64, 6.0 instead of 6.5 loop instructions per Q row; measured
 # against 64 rows in one run (2026-11-24): +5-6% from S 4096, level at 1024-2048 (ncu at S 8192:
 # 64 rows executed 14% more instructions than FA4's 80). Varlen keeps 64 rows (sm90_backward_traits).
 # d192/d256: that kernel's dK and dV alone would take 192/256 registers per thread at 128 keys per

@@ -354,6 +354,10 @@ def test_sm90_backward_table_and_fallback():
                       (Features(varlen=True), 64), (Features(varlen=True, seqused=True, softcap=True), 64)):
         for d in (128, 112):
             assert backward_keys("sm_90a", "bf16", d, False, True, kernel="sm90", features=f)[1].traits.tile_m == tile_m
+    # explicit 80-row traits (tools): only where the kernel can run them
+    for d, f in ((64, Features()), (128, Features(varlen=True))):
+        with pytest.raises(ValueError, match="80 rows"):
+            backward_keys("sm_90a", "bf16", d, False, False, traits=parse_backward_traits("m80n128s2", d), features=f)
     assert not any(t.longest_first for d, by in SM90_BACKWARD.items() for c, t in by.items() if (d, c) != (128, True))
     assert backward_keys("sm_90a", "fp16", 128, True, True, traits=spec)[1].kernel == "sm90"
     with pytest.raises(ValueError, match="sm_90a"):
