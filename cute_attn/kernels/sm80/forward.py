@@ -508,7 +508,7 @@ class FlashAttentionForwardSm80:
             # the block-table reads of this iteration's loads come first, so that their latency
             # passes in the wait below rather than in front of each load
             page_v = page_of(n_block - (s - 1))
-            page_k = page_of(n_block - s if const_expr(s > 1) else n_block - 1)
+            page_k = page_of(n_block - s)  # K[n - s] (one stage: K[n - 1])
 
         cute.arch.cp_async_wait_group(2 * s - 2)  # K[n_block] landed ...
         cute.arch.barrier()  # ... for every thread, and everyone is done with the buffer reused next
