@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable
 
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.traits import (
-    SM90_VARLEN_CAUSAL_ONE_CTA_PER_TILE,
+    SM90_VARLEN_CAUSAL_DYNAMIC_TILES,
     BackwardTraits,
     ForwardTraits,
     Sm90BackwardTraits,
@@ -128,14 +128,14 @@ def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capa
 def _sm90_for_features(candidates, features: Features, causal: bool):
     """The SM90 table's traits adapted to the features: a local window or varlen gives the two Q
     blocks of a K/V multicast cluster different K/V blocks, so those variants run without
-    multicast; a causal varlen batch of a head dim in traits.SM90_VARLEN_CAUSAL_ONE_CTA_PER_TILE
-    runs one CTA per tile (the measured reason is there)."""
+    multicast; a causal varlen batch of a head dim in traits.SM90_VARLEN_CAUSAL_DYNAMIC_TILES runs
+    a persistent grid with dynamic tiles (the measured reason is there)."""
     if not (features.local or features.varlen):
         return candidates
     candidates = tuple(dataclasses.replace(t, kv_multicast=False) for t in candidates)
     if features.varlen and causal:
-        candidates = tuple(dataclasses.replace(t, persistent=False, overlap_tiles=False)
-                           if t.head_dim in SM90_VARLEN_CAUSAL_ONE_CTA_PER_TILE else t for t in candidates)
+        candidates = tuple(dataclasses.replace(t, persistent=True, overlap_tiles=False, dynamic_tiles=True)
+                           if t.head_dim in SM90_VARLEN_CAUSAL_DYNAMIC_TILES else t for t in candidates)
     return candidates
 
 
@@ -459,15 +459,21 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
             dtype, key.head_dim, t.tile_m, t.tile_n, t.num_stages, key.causal, key.check_hdim,
             intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong, persistent=t.persistent,
             overlap_tiles=t.overlap_tiles, kv_multicast=t.kv_multicast, features=key.features,
+            dynamic_tiles=t.dynamic_tiles,
         )
         ptxas = ""
     else:
         raise ValueError(f"unknown forward kernel family {key.kernel!r}")
     q, k, v, o, lse = _fake_attention_tensors(dtype, kv_batch_own=key.features.kvcache)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    # the SM90 kernel also takes the number of SMs (the size of a persistent grid) and the causal
-    # tile order's heads per section
-    extra = (cutlass.Int32(132), cutlass.Int32(1)) if key.kernel == "sm90" else ()
+    # the SM90 kernel also takes the number of SMs (the size of a persistent grid), the causal
+    # tile order's heads per section and (dynamic tiles) the tile counter
+    extra = ()
+    if key.kernel == "sm90":
+        from cutlass.cute.runtime import make_fake_tensor
+
+        counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), assumed_align=4) if t.dynamic_tiles else None
+        extra = (cutlass.Int32(132), cutlass.Int32(1), counter)
     decode = _fake_decode_args(key.features) if key.kernel == "sm80" else ()  # KV cache, split-KV
     return _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), *extra, *_fake_feature_args(key.features),
                     *decode, stream, target=key.target, keep_artifacts=keep_artifacts, ptxas_options=ptxas)

@@ -402,12 +402,13 @@ def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, m
     )
     kernel = compile_mod.forward_cache.get(key)
     device, scale_log2 = q.device, opts.scale_log2
-    extra = ()
+    extra, dynamic_tiles = (), False
     if key.kernel == "sm90":
-        # causal tile order: a persistent grid goes head by head, one CTA per tile in L2-sized
-        # sections of heads (kernels/tile_scheduler.py)
-        section = 1
-        if opts.causal and not compile_mod.forward_cache.chosen(key).persistent:
+        # causal tile order: a persistent grid goes head by head, one CTA per tile (or a dynamic
+        # deal, which runs the same order) in L2-sized sections of heads (kernels/tile_scheduler.py)
+        chosen = compile_mod.forward_cache.chosen(key)
+        section, dynamic_tiles = 1, chosen.dynamic_tiles
+        if opts.causal and (not chosen.persistent or dynamic_tiles):
             from cute_attn.traits import heads_per_section
 
             section = heads_per_section(max_seqlen_k, key.head_dim, q.element_size())
@@ -418,8 +419,12 @@ def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, m
 
     def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         with torch.cuda.device(device):
-            kernel(q, k, v, out, lse, scale_log2, *extra, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-                   *scalars, *decode)
+            # the SM90 kernel's tile counter (dynamic tiles: zero at every launch; else none)
+            counter = ()
+            if extra:
+                counter = (torch.zeros(1, dtype=torch.int32, device=device) if dynamic_tiles else None,)
+            kernel(q, k, v, out, lse, scale_log2, *extra, *counter, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                   alibi_slopes, *scalars, *decode)
 
     return launch
 

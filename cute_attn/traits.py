@@ -97,15 +97,18 @@ class Sm90ForwardTraits:
     # non-causal only: CTAs in clusters of two take adjacent Q blocks of one head, and each loads
     # half of every K/V block into both CTAs' shared memory (TMA multicast): half the L2 reads
     kv_multicast: bool = False
+    # persistent: each CTA takes its next tile from an atomic counter (in the one-CTA-per-tile
+    # order) instead of a static deal of rounds
+    dynamic_tiles: bool = False
 
     @property
     def spec(self) -> str:
         """'m128n128s2' (+ 'o0' without intra-warpgroup overlap, 'p0' without ping-pong, 'ps'
-        persistent, 'ot' overlapping tiles, 'mc' K/V multicast in clusters of two)."""
+        persistent, 'ot' overlapping tiles, 'mc' K/V multicast in clusters of two, 'dt' dynamic tiles)."""
         return (f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
                 f"{'' if self.intra_wg_overlap else 'o0'}{'' if self.pingpong else 'p0'}"
                 f"{'ps' if self.persistent else ''}{'ot' if self.overlap_tiles else ''}"
-                f"{'mc' if self.kv_multicast else ''}")
+                f"{'mc' if self.kv_multicast else ''}{'dt' if self.dynamic_tiles else ''}")
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         # persistent: O has a buffer of its own; overlapping tiles: Q has two
@@ -171,13 +174,16 @@ SM90_FORWARD = {
 }
 
 
-# Causal varlen batches of these head dims run their SM90 tier without the persistent grid (one CTA
-# per tile, so the hardware hands the next tile to whichever SM frees first; the persistent grid's
-# statically dealt rounds come out unequal when sequences differ in length). Measured with
-# `tools/bench.py --varlen --causal 1` (lengths 128-4096, 16k tokens), the two in the same run:
-# d128 +3.6% on H100 (479 vs 462 TFLOP/s), +3.4% on H200 (485 vs 469); d64 -3% on H200 (375 vs
-# 386), so d64 keeps its persistent tiers. d192/d256 have no persistent tier.
-SM90_VARLEN_CAUSAL_ONE_CTA_PER_TILE = frozenset({128})
+# Causal varlen batches of these head dims run their SM90 tier on a persistent grid whose CTAs take
+# their tiles from an atomic counter (dynamic_tiles), in the order one CTA per tile would run them.
+# Sequences of different lengths make the static rounds of a persistent grid unequal (d128: 462
+# against 479 TFLOP/s one CTA per tile), and one CTA per tile pays every tile's start (launch,
+# pipeline set-up, the first loads: ~3.6 us of fixed cost per tile plus ~1.1 us between tiles on an
+# SM, from a per-tile timeline on H100) and ~1 us for each tile past a sequence's end. Measured with
+# `tools/bench.py --varlen --causal 1` (lengths 128-4096, 16k tokens, H100, beside the previous
+# choice in one device call): d128 555 against 467 TFLOP/s (one CTA per tile), d64 436 against 379
+# (static persistent); docs/performance.md.
+SM90_VARLEN_CAUSAL_DYNAMIC_TILES = frozenset({64, 128})
 
 
 # KV-cache decode and split-KV (the SM80-family forward with the decode features, on every GPU).
@@ -240,15 +246,15 @@ def parse_traits(spec: str, head_dim: int):
     import re
 
     d = padded_head_dim(head_dim)
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(o0)?(p0)?(ps)?(ot)?(mc)?", spec)
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(o0)?(p0)?(ps)?(ot)?(mc)?(dt)?", spec)
     if m:
-        tile_m, tile_n, stages, no_overlap, no_pingpong, persistent, overlap_tiles, multicast = m.groups()
+        tile_m, tile_n, stages, no_overlap, no_pingpong, persistent, overlap_tiles, multicast, dynamic = m.groups()
         return Sm90ForwardTraits(d, int(tile_m), int(tile_n), int(stages), not no_overlap, not no_pingpong,
-                                 bool(persistent), bool(overlap_tiles), bool(multicast))
+                                 bool(persistent), bool(overlap_tiles), bool(multicast), bool(dynamic))
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)s(\d+)(?:c(\d+))?(?:r(\d+))?", spec)
     if not m:
         raise ValueError(f"traits spec must look like m128n64w4s2 (SM80, optionally c2/r3) or m128n128s2 "
-                         f"(SM90, optionally o0/p0/ps/ot/mc), got {spec!r}")
+                         f"(SM90, optionally o0/p0/ps/ot/mc/dt), got {spec!r}")
     tile_m, tile_n, warps, stages, chunks, level = m.groups()
     return ForwardTraits(d, int(tile_m), int(tile_n), int(warps), int(stages),
                          int(level) if level is not None else None, int(chunks) if chunks is not None else 1)

@@ -184,6 +184,21 @@ def test_varlen_many_sequences(causal, num_seqs):
     check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"{num_seqs} sequences causal={causal}")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_causal_more_tiles_than_sms(head_dim):
+    """Causal varlen batches with many more tiles than SMs and lengths far apart: the SM90 forward's
+    persistent CTAs then take tile after tile from its atomic counter (traits: dynamic tiles),
+    skipping the numbers past a shorter sequence's end; a second call, whose counter starts at zero
+    again, gives the same bits."""
+    lengths = [1500, 17, 2900, 0, 640, 1, 2048, 129]
+    q, k, v, cu_q, cu_k = packed(lengths, lengths, 8, 2, head_dim, torch.bfloat16)
+    check_varlen(q, k, v, cu_q, cu_k, True, {}, f"many tiles d={head_dim}")
+    first = cute_attn.varlen_forward(q, k, v, cu_q, cu_k, 2900, 2900, causal=True, return_lse=True)
+    again = cute_attn.varlen_forward(q, k, v, cu_q, cu_k, 2900, 2900, causal=True, return_lse=True)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_varlen_causal_softcap_alibi_every_head_dim(head_dim):
     q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 4, 1, head_dim, torch.bfloat16)

@@ -8,8 +8,9 @@ Causal tiles differ in length (the last Q block sees the most keys), so they run
 ones fill the tail. Over all heads at once that would stream every head's K and V through L2
 once per Q block, so the (batch, head) pairs are cut into sections of ``heads_per_section`` and
 the longest-first order runs inside each section. The host picks the section (a kernel argument):
-- one CTA per tile (the hardware launches them in order): K and V of a section's heads within an
-  L2 budget (``heads_per_section``);
+- one CTA per tile (the hardware launches them in order), or a persistent grid whose CTAs take
+  the tiles in order from an atomic counter (the SM90 forward's ``dynamic_tiles``): K and V of a
+  section's heads within an L2 budget (``heads_per_section``);
 - a persistent grid, which deals the tiles out statically round by round (``nth_tile``): a
   section of one head. Measured on H100 (docs/performance.md), wider sections there lost up to
   30% at d128 causal S 1024-8192: each round then held the same Q block of many heads, which

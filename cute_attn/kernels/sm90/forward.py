@@ -32,7 +32,9 @@ whole tile goes out through Q's buffer.
 Varlen (packed sequences, kernels/seqlen_info.py): the tiles cover the longest sequence's Q blocks
 for every sequence, and a tile past its own sequence's end is skipped by every role alike
 (``_next_tile``); non-causal batches of up to 32 sequences number their tiles without holes
-instead (tile_scheduler.varlen_tile_coords). Loads start at the sequence's first row (rows past
+instead (tile_scheduler.varlen_tile_coords). Causal varlen batches run a persistent grid with a
+dynamic deal (``dynamic_tiles``): the producer warp takes each next tile number from a counter,
+skips those past their sequence's end, and hands the tile to the consumers. Loads start at the sequence's first row (rows past
 its end are the next sequence's: masked, or never stored); O's store goes through a ragged view
 that clips a partial last tile at the sequence's end.
 """
@@ -59,6 +61,8 @@ from cute_attn.kernels.sm90.common import WARPGROUP_THREADS, NamedBarrier
 # (consumer, producer) registers per thread after setmaxnreg, by number of consumer warpgroups:
 # the most the consumers can take while the whole CTA stays within 64K registers.
 REGISTER_SPLIT = {1: (256, 56), 2: (240, 24), 3: (160, 32)}
+# dynamic_tiles: tile numbers in flight from the producer to the consumers (this tile's and the next)
+TILE_ID_STAGES = 2
 
 
 class FlashAttentionForwardSm90:
@@ -67,8 +71,9 @@ class FlashAttentionForwardSm90:
     head_dim: the padded head dim (TMA zero-fills the columns past the actual one on load and
     clips them on store, so ``check_hdim`` needs no code here). intra_wg_overlap / pingpong switch
     the two overlap techniques; persistent: one CTA per SM walking the tiles; overlap_tiles
-    (persistent only): the next tile's first Q K^T under this tile's epilogue. features: local
-    window, softcap, ALiBi, varlen (kernels/features.py).
+    (persistent only): the next tile's first Q K^T under this tile's epilogue; dynamic_tiles
+    (persistent only): the CTAs take their tiles from an atomic counter instead of a static deal.
+    features: local window, softcap, ALiBi, varlen (kernels/features.py).
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class FlashAttentionForwardSm90:
         overlap_tiles: bool = False,
         kv_multicast: bool = False,
         features: Features = NO_FEATURES,
+        dynamic_tiles: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in REGISTER_SPLIT, "tile_m: 64, 128 or 192"
         assert tile_n % 16 == 0 and head_dim % 16 == 0 and tile_n <= 256
@@ -111,6 +117,13 @@ class FlashAttentionForwardSm90:
         # shared memory by then: two Q buffers
         self.overlap_tiles = overlap_tiles and persistent and intra_wg_overlap
         self.q_stages = 2 if self.overlap_tiles else 1
+        # dynamic_tiles (persistent): the producer warp takes each next tile number from a global
+        # counter (zeroed by the host for every launch) as it starts loading the current tile, and
+        # hands it to the consumer warpgroups through shared memory (``pipe_tile``), so a CTA that
+        # finishes early takes the next tile in order, as the hardware does with one CTA per tile,
+        # while the next tile's loads still overlap this one's epilogue
+        self.dynamic_tiles = dynamic_tiles and persistent
+        assert not (self.dynamic_tiles and self.overlap_tiles), "dynamic tiles: without overlapping tiles"
         # kv_multicast: both CTAs of a cluster must walk the same K/V blocks, which causal Q blocks
         # do not (each sees a different number of keys)
         assert not (kv_multicast and causal), "K/V multicast is for non-causal attention"
@@ -139,6 +152,7 @@ class FlashAttentionForwardSm90:
         softmax_scale_log2: Float32,
         num_sms: Int32,  # CTAs of a persistent grid
         heads_per_section: Int32,  # causal tile order (tile_scheduler): chosen by the host
+        mTileCounter: cute.Tensor | None,  # dynamic_tiles: (1,) int32, zero at launch
         mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,  # seqused: (batch,) int32, the keys each sequence attends to
@@ -187,6 +201,10 @@ class FlashAttentionForwardSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout) if self.persistent else 64], 1024]
+            # dynamic tiles: the tile numbers handed from the producer to the consumers (last, so
+            # that the other fields keep their offsets)
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * TILE_ID_STAGES if self.dynamic_tiles else 1]
+            tile_ids: cute.struct.MemRange[Int32, TILE_ID_STAGES if self.dynamic_tiles else 1]
 
         # Tiles are numbered (Q block fastest, then head, then batch): one head's Q blocks run
         # together and share its K/V in L2. Causal: longest first in sections of heads (tile_scheduler).
@@ -197,7 +215,7 @@ class FlashAttentionForwardSm90:
             grid = cutlass.min(num_tiles, num_sms // self.cluster_size * self.cluster_size)
         qheads_per_kvhead = mQ.shape[2] // mK.shape[2]  # GQA/MQA: K/V are shared, never copied
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, heads_per_section, qheads_per_kvhead,
+            tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, heads_per_section, qheads_per_kvhead, mTileCounter,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, max_seqlen_q, window_left, window_right, softcap_scale,
             atom_Q, atom_K, atom_V, atom_O, sQ_layout, sKV_layout, sO_layout, mma_qk, mma_pv, SharedStorage,
         ).launch(
@@ -221,6 +239,7 @@ class FlashAttentionForwardSm90:
         softmax_scale_log2: Float32,
         heads_per_section: Int32,
         qheads_per_kvhead: Int32,
+        mTileCounter: cute.Tensor | None,
         mCuSeqlensQ: cute.Tensor | None,
         mCuSeqlensK: cute.Tensor | None,
         mSeqUsedK: cute.Tensor | None,
@@ -268,6 +287,15 @@ class FlashAttentionForwardSm90:
         )
         pipe_k = make_kv_pipeline(barrier_storage=storage.mbar_k.data_ptr())
         pipe_v = make_kv_pipeline(barrier_storage=storage.mbar_v.data_ptr())
+        pipe_tile = sTileIds = None
+        if const_expr(self.dynamic_tiles):
+            # one producer thread writes a tile number; every consumer thread reads it, then arrives
+            pipe_tile = pipeline.PipelineAsync.create(
+                num_stages=TILE_ID_STAGES, producer_group=tma_thread,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
+                barrier_storage=storage.mbar_tile.data_ptr(), defer_sync=True,
+            )
+            sTileIds = storage.tile_ids.get_tensor(cute.make_layout(TILE_ID_STAGES))
         pipeline.pipeline_init_arrive(cluster_shape_mn=self._cluster_vmnk(), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -287,19 +315,30 @@ class FlashAttentionForwardSm90:
             window_left if const_expr(self.features.local) else None,
             window_right if const_expr(self.features.local) else None,
         )
-        next_tile = partial(self._next_tile, coords, mCuSeqlensQ)
+        # (first_tile(num_tiles) and next_tile(num_tiles, cursor) give (cursor, tile); the cursor is
+        # the round of a static deal, or the position in the tile-number handoff of a dynamic one)
+        if const_expr(self.dynamic_tiles):
+            walk_producer = (
+                partial(self._claim_first_tile, coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds),
+                partial(self._claim_next_tile, coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds),
+            )
+            walk_consumer = (partial(self._receive_first_tile, pipe_tile, sTileIds),
+                             partial(self._receive_tile, pipe_tile, sTileIds))
+        else:
+            walk_producer = walk_consumer = (partial(self._first_dealt_tile, coords, mCuSeqlensQ),
+                                             partial(self._next_dealt_tile, coords, mCuSeqlensQ))
         pipeline.pipeline_init_wait(cluster_shape_mn=self._cluster_vmnk())
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._produce(mQ, mK, mV, sQ, sK, sV, atom_Q, atom_K, atom_V, pipe_q, pipe_k, pipe_v, tiles,
-                              next_tile, count_tiles)
+                              *walk_producer, count_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
                 mO, mLSE, sQ, sK, sV, sO, atom_O, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2,
-                tiles, next_tile, count_tiles, mAlibiSlopes, window_left, window_right, softcap_scale,
+                tiles, *walk_consumer, count_tiles, mAlibiSlopes, window_left, window_right, softcap_scale,
             )
         if const_expr(self.cluster_size > 1):
             # the other CTA's consumers arrive on this CTA's empty barriers until their last
@@ -381,6 +420,69 @@ class FlashAttentionForwardSm90:
         return rounds, tile
 
     @cute.jit
+    def _first_dealt_tile(self, coords, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32):
+        """Static deal: (round, tile) of this CTA's first tile."""
+        return self._next_tile(coords, mCuSeqlensQ, num_tiles, Int32(0))
+
+    @cute.jit
+    def _next_dealt_tile(self, coords, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32, rounds: Int32):
+        """Static deal: (round, tile) of this CTA's tile after round ``rounds``."""
+        return self._next_tile(coords, mCuSeqlensQ, num_tiles, rounds + 1)
+
+    @cute.jit
+    def _fetch_tile(self, mTileCounter: cute.Tensor):
+        """Dynamic deal (the producer warp): the next tile number nobody has taken. Each CTA's
+        first tile is its own index, so the counter hands out the numbers from the grid size on."""
+        taken = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            taken = cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
+        return cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(taken, 0)
+
+    @cute.jit
+    def _claim_tile(self, coords, mCuSeqlensQ: cute.Tensor | None, mTileCounter: cute.Tensor, pipe_tile,
+                    sTileIds: cute.Tensor, num_tiles: Int32, state, tile: Int32):
+        """Dynamic deal (the producer warp): from tile number ``tile`` on, the first tile that
+        exists (varlen: one past its sequence's end takes another number), handed to the consumers.
+        A number past the last tile is handed over too: it ends their walk."""
+        if const_expr(self.features.varlen):
+            skip = self._past_end(coords, mCuSeqlensQ, num_tiles, tile)
+            while skip:
+                tile = self._fetch_tile(mTileCounter)
+                skip = self._past_end(coords, mCuSeqlensQ, num_tiles, tile)
+        pipe_tile.producer_acquire(state)
+        if cute.arch.lane_idx() == 0:
+            sTileIds[state.index] = tile
+            pipe_tile.producer_commit(state)  # a releasing arrive: the number is visible first
+        state.advance()
+        return state, tile
+
+    @cute.jit
+    def _claim_first_tile(self, coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles: Int32):
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_ID_STAGES)
+        return self._claim_tile(coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles, state,
+                                cute.arch.block_idx()[0])
+
+    @cute.jit
+    def _claim_next_tile(self, coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles: Int32, state):
+        return self._claim_tile(coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles, state,
+                                self._fetch_tile(mTileCounter))
+
+    @cute.jit
+    def _receive_tile(self, pipe_tile, sTileIds: cute.Tensor, num_tiles: Int32, state):
+        """Dynamic deal (the consumer threads): (handoff position, tile) of the next tile the
+        producer claimed for this CTA."""
+        pipe_tile.consumer_wait(state)
+        tile = sTileIds[state.index]
+        pipe_tile.consumer_release(state)
+        state.advance()
+        return state, tile
+
+    @cute.jit
+    def _receive_first_tile(self, pipe_tile, sTileIds: cute.Tensor, num_tiles: Int32):
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_ID_STAGES)
+        return self._receive_tile(pipe_tile, sTileIds, num_tiles, state)
+
+    @cute.jit
     def _past_end(self, coords, mCuSeqlensQ: cute.Tensor, num_tiles: Int32, tile: Int32):
         """Varlen: whether ``tile`` exists but starts past its sequence's last query. Both sides
         of the ``and`` are evaluated: a tile past the end is read as tile 0 (cu_seqlens in bounds)."""
@@ -454,6 +556,7 @@ class FlashAttentionForwardSm90:
         pipe_k: pipeline.PipelineAsync,
         pipe_v: pipeline.PipelineAsync,
         tiles,
+        first_tile,
         next_tile,
         count_tiles,
     ):
@@ -465,7 +568,7 @@ class FlashAttentionForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         cta_rank = cute.arch.block_idx_in_cluster() if const_expr(self.cluster_size > 1) else 0
         num_tiles = count_tiles()
-        rounds, tile = next_tile(num_tiles, Int32(0))
+        rounds, tile = first_tile(num_tiles)
         while tile < num_tiles:
             m_block, head, head_kv, seq, walk = tiles(tile)
             n_block_max, n_masked_right, n_unmasked, n_masked_left = walk
@@ -485,6 +588,10 @@ class FlashAttentionForwardSm90:
             pipe_q.producer_acquire(q_state)  # the consumers are done with this Q buffer's previous tile
             cute.copy(atom_Q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
+            next_tile_ = tile
+            if const_expr(self.dynamic_tiles):
+                # claimed as this tile's loads start: the consumers learn it before this tile's epilogue
+                rounds, next_tile_ = next_tile(num_tiles, rounds)
             if const_expr(self.intra_wg_overlap):
                 for i in cutlass.range(num_blocks - 1, unroll=1):
                     v_state = kv.clone()
@@ -500,7 +607,9 @@ class FlashAttentionForwardSm90:
                     load_K(n_block_max - 2 - i, kv)
                     load_V(n_block_max - 2 - i, kv)
                     kv.advance()
-            rounds, tile = next_tile(num_tiles, rounds + 1)
+            if const_expr(not self.dynamic_tiles):
+                rounds, next_tile_ = next_tile(num_tiles, rounds)
+            tile = next_tile_
 
     @cute.jit
     def _tma_load(self, pipe, atom, src: cute.Tensor, dst: cute.Tensor, n_block: Int32, state):
@@ -528,6 +637,7 @@ class FlashAttentionForwardSm90:
         pipe_v: pipeline.PipelineAsync,
         softmax_scale_log2: Float32,
         tiles,
+        first_tile,
         next_tile,
         count_tiles,
         mAlibiSlopes: cute.Tensor | None,
@@ -567,7 +677,7 @@ class FlashAttentionForwardSm90:
         )
         mask_of = partial(self._tile_mask, score_mod, mAlibiSlopes, softmax_scale_log2)
         num_tiles = count_tiles()
-        rounds, tile = next_tile(num_tiles, Int32(0))
+        rounds, tile = first_tile(num_tiles)
         if const_expr(self.overlap_tiles):
             # the first tile's first block; every later tile's comes with the previous tile's last
             # block (_tile_boundary)
@@ -611,7 +721,7 @@ class FlashAttentionForwardSm90:
                 if const_expr(self.persistent):
                     pipe_q.consumer_release(q_state)  # every Q K^T of this tile has completed
                 q_state.advance()
-                rounds, next_tile_ = next_tile(num_tiles, rounds + 1)
+                rounds, next_tile_ = next_tile(num_tiles, rounds)
                 # the last block's P V and the epilogue (overlap_tiles: the next tile's first Q K^T under it)
                 v_state = kv.clone()
                 kv.advance()
@@ -636,7 +746,7 @@ class FlashAttentionForwardSm90:
                     pipe_q.consumer_release(q_state)
                 q_state.advance()
                 self._epilogue(acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, seq)
-                rounds, next_tile_ = next_tile(num_tiles, rounds + 1)
+                rounds, next_tile_ = next_tile(num_tiles, rounds)
             tile = next_tile_
         if self._issues_store(tidx):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the last store read it
