@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable
 
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.traits import (
-    SM90_VARLEN_CAUSAL_DYNAMIC_TILES,
+    SM90_CAUSAL_DYNAMIC_TILES,
     BackwardTraits,
     ForwardTraits,
     Sm90BackwardTraits,
@@ -128,14 +128,14 @@ def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capa
 def _sm90_for_features(candidates, features: Features, causal: bool):
     """The SM90 table's traits adapted to the features: a local window or varlen gives the two Q
     blocks of a K/V multicast cluster different K/V blocks, so those variants run without
-    multicast; a causal varlen batch of a head dim in traits.SM90_VARLEN_CAUSAL_DYNAMIC_TILES runs
-    a persistent grid with dynamic tiles (the measured reason is there)."""
+    multicast; a causal varlen or windowed batch of a head dim in traits.SM90_CAUSAL_DYNAMIC_TILES
+    runs a persistent grid with dynamic tiles (the measured reason is there)."""
     if not (features.local or features.varlen):
         return candidates
     candidates = tuple(dataclasses.replace(t, kv_multicast=False) for t in candidates)
-    if features.varlen and causal:
+    if causal:
         candidates = tuple(dataclasses.replace(t, persistent=True, overlap_tiles=False, dynamic_tiles=True)
-                           if t.head_dim in SM90_VARLEN_CAUSAL_DYNAMIC_TILES else t for t in candidates)
+                           if t.head_dim in SM90_CAUSAL_DYNAMIC_TILES else t for t in candidates)
     return candidates
 
 

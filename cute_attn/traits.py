@@ -174,16 +174,19 @@ SM90_FORWARD = {
 }
 
 
-# Causal varlen batches of these head dims run their SM90 tier on a persistent grid whose CTAs take
-# their tiles from an atomic counter (dynamic_tiles), in the order one CTA per tile would run them.
-# Sequences of different lengths make the static rounds of a persistent grid unequal (d128: 462
-# against 479 TFLOP/s one CTA per tile), and one CTA per tile pays every tile's start (launch,
-# pipeline set-up, the first loads: ~3.6 us of fixed cost per tile plus ~1.1 us between tiles on an
-# SM, from a per-tile timeline on H100) and ~1 us for each tile past a sequence's end. Measured with
-# `tools/bench.py --varlen --causal 1` (lengths 128-4096, 16k tokens, H100, beside the previous
-# choice in one device call): d128 555 against 467 TFLOP/s (one CTA per tile), d64 436 against 379
-# (static persistent); docs/performance.md.
-SM90_VARLEN_CAUSAL_DYNAMIC_TILES = frozenset({64, 128})
+# Causal varlen and causal windowed batches of these head dims run their SM90 tier on a persistent
+# grid whose CTAs take their tiles from an atomic counter (dynamic_tiles), in the order one CTA per
+# tile would run them. Sequences of different lengths make the static rounds of a persistent grid
+# unequal (varlen d128: 462 against 479 TFLOP/s one CTA per tile), and one CTA per tile pays every
+# tile's start (launch, pipeline set-up, the first loads: ~3.6 us of fixed cost per tile plus ~1.1 us
+# between tiles on an SM, from a per-tile timeline on H100) and ~1 us for each tile past a
+# sequence's end. Measured on H100 beside the previous choice in one device call
+# (docs/performance.md): `tools/bench.py --varlen --causal 1` (lengths 128-4096, 16k tokens) d128
+# 555 against 467 TFLOP/s (one CTA per tile), d64 436 against 379 (static persistent); causal
+# windows (W, 0), S 4096-16384, W 256-4096: d128 -1..+9%, d64 +0..+13% (`tools/bench.py --window
+# 1024`: d128 484 against 466 at S 16384, 501 / 506 at 4096; d64 336 / 318, 291 / 286), where a
+# static persistent deal measured level with one CTA per tile (-1..+3%).
+SM90_CAUSAL_DYNAMIC_TILES = frozenset({64, 128})
 
 
 # KV-cache decode and split-KV (the SM80-family forward with the decode features, on every GPU).

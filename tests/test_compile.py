@@ -197,16 +197,16 @@ def test_sm90_seqlen_tiers_pick_their_traits():
     assert not forward_key("sm_90a", "bf16", 128, True, kernel="sm90", seqlen=8193).candidates[0].persistent
     assert forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=1000).candidates[0].tile_m == 128
     assert forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=2048).candidates[0].tile_m == 192
-    # causal varlen d64/d128: the persistent grid with a dynamic deal at every tier; other features
-    # and non-causal varlen keep the table's deal
-    varlen = Features(varlen=True)
-    for d, seqlen in ((128, 1000), (128, 16384), (64, 1000), (64, 8192)):
-        t = forward_key("sm_90a", "bf16", d, True, kernel="sm90", seqlen=seqlen, features=varlen).candidates[0]
-        assert t.persistent and t.dynamic_tiles and not t.overlap_tiles and t.spec.endswith("psdt")
-    assert not forward_key("sm_90a", "bf16", 128, False, kernel="sm90", features=varlen).candidates[0].dynamic_tiles
-    assert not forward_key("sm_90a", "bf16", 256, True, kernel="sm90", features=varlen).candidates[0].persistent
+    # causal varlen or windowed d64/d128: the persistent grid with a dynamic deal at every tier;
+    # non-causal ones and the other features keep the table's deal
+    for f in (Features(varlen=True), Features(local=True), Features(varlen=True, local=True, softcap=True)):
+        for d, seqlen in ((128, 1000), (128, 16384), (64, 1000), (64, 8192)):
+            t = forward_key("sm_90a", "bf16", d, True, kernel="sm90", seqlen=seqlen, features=f).candidates[0]
+            assert t.persistent and t.dynamic_tiles and not t.overlap_tiles and t.spec.endswith("psdt")
+        assert not forward_key("sm_90a", "bf16", 128, False, kernel="sm90", features=f).candidates[0].dynamic_tiles
+        assert not forward_key("sm_90a", "bf16", 256, True, kernel="sm90", features=f).candidates[0].persistent
     assert not forward_key("sm_90a", "bf16", 128, True, kernel="sm90", seqlen=1000,
-                           features=Features(local=True)).candidates[0].dynamic_tiles
+                           features=Features(softcap=True)).candidates[0].dynamic_tiles
     assert parse_traits("m128n128s2p0psdt", 128).dynamic_tiles
     # d128 non-causal: K/V multicast once both the query and the keys are longer than 1024
     assert not forward_key("sm_90a", "bf16", 128, False, kernel="sm90", seqlen=1024).candidates[0].kv_multicast
