@@ -211,6 +211,9 @@ def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, determin
         kernel, candidates = "sm80", sm80_backward_traits(head_dim)
     if kernel == "sm90" and target != "sm_90a":
         raise ValueError(f"the SM90 backward kernel needs target sm_90a, got {target}")
+    if kernel == "sm90" and deterministic:
+        # deterministic dQ takes turns in the one-CTA-per-K/V-block grid's launch order
+        candidates = tuple(dataclasses.replace(t, persistent=False) for t in candidates)
     main = BackwardKey(kernel, target, dtype, padded, bool(causal), check, bool(deterministic), candidates, features)
     return RowKernelKey("bwd_pre", target, dtype, padded, check, varlen=features.varlen), main
 
@@ -372,8 +375,10 @@ def build_backward(key, keep_artifacts: bool = False):
                                                  tr.dq_warps_m, varlen=key.varlen)
         args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0), *_fake_row_kernel_args(key.varlen))
     elif isinstance(key, BackwardKey):
+        # the SM90 kernels also take the number of SMs (the size of a persistent grid)
+        sm90 = (cutlass.Int32(132),) if key.kernel == "sm90" else ()
         args = (t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["d"], t["dq_accum"], t["dk"], t["dv"], t["sem"],
-                cutlass.Float32(1.0), cutlass.Float32(1.0), *_fake_feature_args(key.features), stream)
+                cutlass.Float32(1.0), cutlass.Float32(1.0), *_fake_feature_args(key.features), *sm90, stream)
 
         def compile_one(tr, keep):
             if key.kernel == "sm90" and tr.swap_dkv:
@@ -387,6 +392,7 @@ def build_backward(key, keep_artifacts: bool = False):
                 kernel = bwd90.FlashAttentionBackwardSm90(
                     dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_stages, key.causal, key.deterministic,
                     features=key.features, longest_first=tr.longest_first,
+                    persistent=tr.persistent,
                 )
             else:
                 kernel = bwd.FlashAttentionBackwardSm80(

@@ -791,6 +791,8 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     kernels = cache.get(pre), cache.get(main), cache.get(post)
     scale, scale_log2 = opts.scale, opts.scale_log2
     scalars = opts.kernel_scalars(max_seqlen_k)
+    if main.kernel == "sm90":  # the SM90 kernels also take the number of SMs (a persistent grid's size)
+        scalars = (*scalars, plan.num_sms)
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         lse_log2 = torch.empty((q.shape[0], heads, rows_pad), **f32)

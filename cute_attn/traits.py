@@ -362,15 +362,16 @@ def parse_backward_traits(spec: str, head_dim: int):
     Sm90BackwardTraits of the large-head-dim kernel (one dO stage, transposed dK/dV) (for tools and sweeps)."""
     import re
 
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(?:d(\d+))?(t)?(l)?", spec)
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(?:d(\d+))?(t)?(l)?(p)?", spec)
     if m:
-        tile_m, tile_n, stages, do_stages, swap, longest = m.groups()
+        tile_m, tile_n, stages, do_stages, swap, longest, persistent = m.groups()
         return Sm90BackwardTraits(padded_head_dim(head_dim), int(tile_m), int(tile_n), int(stages),
-                                  int(do_stages) if do_stages is not None else None, bool(swap), bool(longest))
+                                  int(do_stages) if do_stages is not None else None, bool(swap), bool(longest),
+                                  bool(persistent))
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)a(\d+)b(\d+)c(\d+)", spec)
     if not m:
         raise ValueError(f"backward traits spec must look like m64n128w8a2b4c2 (SM80) or m64n128s2 (SM90, "
-                         f"optionally d1, t and l), got {spec!r}")
+                         f"optionally d1, t, l and p), got {spec!r}")
     return BackwardTraits(padded_head_dim(head_dim), *map(int, m.groups()))
 
 
@@ -390,14 +391,16 @@ class Sm90BackwardTraits:
     # causal: the CTAs in longest-first order within L2-sized sections of heads
     # (tile_scheduler.section_coords) instead of the grid's own (K/V block fastest)
     longest_first: bool = False
+    # a persistent grid (not deterministic, not swap_dkv): one CTA per SM walks the K/V blocks
+    persistent: bool = False
 
     @property
     def spec(self) -> str:
-        """'m64n128s2' (+ 'd1': dO stages, 't': swap_dkv, 'l': longest_first): the form
-        parse_backward_traits and --bwd-sweep take."""
+        """'m64n128s2' (+ 'd1': dO stages, 't': swap_dkv, 'l': longest_first, 'p': persistent): the
+        form parse_backward_traits and --bwd-sweep take."""
         return (f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
                 f"{f'd{self.do_stages}' if self.do_stages is not None else ''}{'t' if self.swap_dkv else ''}"
-                f"{'l' if self.longest_first else ''}")
+                f"{'l' if self.longest_first else ''}{'p' if self.persistent else ''}")
 
     @property
     def dout_stages(self) -> int:
@@ -436,10 +439,16 @@ class Sm90BackwardTraits:
 # the grid's order. The order alone explains little of it: at S 8192 sections of 1 and 4
 # heads ran alike, and the SASS inner loop is unchanged but starts 128-byte aligned
 # (docs/performance.md, "Causal CTA order of the backward").
+# d64 non-causal runs a persistent grid ('p': one CTA per SM walks the K/V blocks round by round,
+# the next block's first Q and dO loads overlapping this one's end): +5-7% at S 1024-16384 on H100
+# (2026-11-26, beside the one-CTA-per-block grid in one run). Not elsewhere: d128 non-causal gained
+# 0.2-2% but its 80-row kernel then spills 4 bytes; causal K/V blocks differ in length, and the
+# static rounds balanced them so badly (d64 -7..-31%, d128 longest first -20..-38%) that causal
+# would need a dynamic deal (the forward's dynamic_tiles), not built yet.
 _B = Sm90BackwardTraits
 SM90_BACKWARD = {
     32: dict.fromkeys((False, True), _B(32, tile_m=128)),
-    64: dict.fromkeys((False, True), _B(64, tile_m=128)),
+    64: {False: _B(64, tile_m=128, persistent=True), True: _B(64, tile_m=128)},
     96: dict.fromkeys((False, True), _B(96, tile_m=64)),
     128: {False: _B(128, tile_m=80), True: _B(128, tile_m=64, longest_first=True)},
     192: dict.fromkeys((False, True), _B(192, tile_m=64, tile_n=96, num_stages=2, do_stages=1, swap_dkv=True)),

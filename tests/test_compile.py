@@ -82,6 +82,7 @@ BWD_SUBSET = [  # (head_dim, dtype, causal, deterministic): with the SM90 kernel
     (128, "fp16", False, True),
     (72, "bf16", True, False),
     (32, "bf16", True, True),
+    (64, "fp16", False, False),  # the persistent grid
 ]
 
 
@@ -373,6 +374,13 @@ def test_sm90_backward_table_and_fallback():
         with pytest.raises(ValueError, match="80 rows"):
             backward_keys("sm_90a", "bf16", d, False, False, traits=parse_backward_traits("m80n128s2", d), features=f)
     assert not any(t.longest_first for d, by in SM90_BACKWARD.items() for c, t in by.items() if (d, c) != (128, True))
+    # d64 non-causal: a persistent grid (measured), but never deterministic (dQ's turns follow the
+    # one-CTA-per-block launch order)
+    assert SM90_BACKWARD[64][False].persistent and SM90_BACKWARD[64][False].spec == "m128n128s2p"
+    assert not any(t.persistent for d, by in SM90_BACKWARD.items() for c, t in by.items() if (d, c) != (64, False))
+    assert backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90")[1].traits.persistent
+    assert not backward_keys("sm_90a", "bf16", 64, False, True, kernel="sm90")[1].traits.persistent
+    assert parse_backward_traits("m64n128s2lp", 128).persistent
     assert backward_keys("sm_90a", "fp16", 128, True, True, traits=spec)[1].kernel == "sm90"
     with pytest.raises(ValueError, match="sm_90a"):
         backward_keys("sm_80", "fp16", 128, True, True, traits=spec)

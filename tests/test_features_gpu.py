@@ -184,6 +184,17 @@ def test_varlen_many_sequences(causal, num_seqs):
     check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"{num_seqs} sequences causal={causal}")
 
 
+def test_varlen_noncausal_d64_persistent_backward():
+    """d64 non-causal: the SM90 backward's persistent grid walks K/V blocks of several sequences,
+    skipping those past a sequence's keys (the key-less one) and storing dK = dV = 0 for those no
+    query sees (the query-less one), with more K/V blocks than SMs."""
+    q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 4, 2, 64, torch.bfloat16)
+    check_varlen(q, k, v, cu_q, cu_k, False, {}, "varlen d64 persistent")
+    lengths_q, lengths_k = [300, 0, 2000, 17, 1500], [1200, 700, 2100, 0, 1500]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 16, 16, 64, torch.bfloat16)
+    check_varlen(q, k, v, cu_q, cu_k, False, {}, "varlen d64 persistent, many K/V blocks")
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_varlen_causal_more_tiles_than_sms(head_dim):
     """Causal varlen batches with many more tiles than SMs and lengths far apart: the SM90 forward's

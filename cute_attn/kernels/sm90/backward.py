@@ -173,6 +173,7 @@ class FlashAttentionBackwardSm90:
         deterministic: bool,
         features: Features = NO_FEATURES,
         longest_first: bool = False,
+        persistent: bool = False,
     ):
         assert tile_n == 64 * NUM_MMA_WARPGROUPS, "tile_n: 64 keys per MMA warpgroup"
         assert tile_m in (64, 80, 128) and head_dim % 16 == 0
@@ -194,11 +195,18 @@ class FlashAttentionBackwardSm90:
         # plain causal (no optional feature: the variant measured), not deterministic: CTAs longest
         # first in sections of heads (traits.py)
         self.longest_first = longest_first and causal and not deterministic and features == NO_FEATURES
+        # persistent (not deterministic): one CTA per SM walks the K/V blocks of the grid's order,
+        # round by round, so a K/V block's start (launch, set-up, its first Q and dO loads) overlaps
+        # the previous one's end; K and V wait for the previous dK and dV to leave their buffers
+        assert not (persistent and deterministic), "persistent: not deterministic"
+        self.persistent = persistent
         self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
         self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
 
     # the dK and dV accumulators hold dK^T and dV^T (head dim x keys; backward_large.py)
     dkv_transposed = False
+    # (backward_large.py's kernel always runs one CTA per K/V block)
+    persistent = False
 
     def _dq_cols_per_warpgroup(self) -> int:
         """Head-dim columns of dQ = dS K per MMA warpgroup (``dq_tiled_mma``)."""
@@ -246,10 +254,12 @@ class FlashAttentionBackwardSm90:
         window_left: Int32,  # local: the window's edges (an unbounded side is huge)
         window_right: Int32,
         softcap_scale: Float32,  # softcap: softmax_scale / softcap
+        num_sms: Int32,  # CTAs of a persistent grid
         stream: cuda.CUstream,
     ):
         varlen = const_expr(self.features.varlen)
         num_batches = mCuSeqlensQ.shape[0] - 1 if varlen else mQ.shape[0]
+        num_n_blocks = cute.ceil_div(max_seqlen_k if varlen else mK.shape[1], self.tile_n)
         # TMA copies tiles of the first two modes: view the tensors as (seqlen, head_dim, heads, batch)
         mQ, mK, mV, mdO, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mdO, mdK, mdV)
@@ -286,14 +296,17 @@ class FlashAttentionBackwardSm90:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]  # (P,) dS
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
 
+        grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(num_batches))
+        if const_expr(self.persistent):
+            grid = (cutlass.min(num_n_blocks * mK.shape[2] * num_batches, num_sms), 1, 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE_log2, mD, mdQ_accum, mSemaphore,
             softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left,
             window_right, softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
             sQ_layout, sdO_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
+            num_n_blocks, num_batches,
         ).launch(
-            grid=(cute.ceil_div(max_seqlen_k if varlen else mK.shape[0], n), cute.size(mK.shape[2]),
-                  cute.size(num_batches)),
+            grid=grid,
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -337,6 +350,8 @@ class FlashAttentionBackwardSm90:
         mma_dkv: cute.TiledMma,
         mma_dq: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        num_n_blocks: Int32,  # the grid's (K/V blocks, K/V heads, batch), for a persistent grid
+        num_batches: Int32,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -376,21 +391,90 @@ class FlashAttentionBackwardSm90:
         # the window's edges only where the kernel has one (None: compiled out)
         window_left = window_left if const_expr(self.features.local) else None
         window_right = window_right if const_expr(self.features.local) else None
-        work = self._work(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right)
-        roles = partial(
-            self._roles, warp_idx, mQ, mK, mV, mdO, mdK, mdV, mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
+        role_args = (
+            warp_idx, mQ, mK, mV, mdO, mdK, mdV, mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
             sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
             mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2,
-            window_left, window_right, softcap_scale, work,
+            window_left, window_right, softcap_scale,
         )
-        if const_expr(self.features.varlen):
-            # the grid covers the longest sequence: a K/V block past this one's keys does nothing
-            # (no role runs, so no barrier waits for a missing peer; its dK/dV rows do not exist)
-            n_block_raw, _, _ = cute.arch.block_idx()
-            if n_block_raw * self.tile_n < work[2].seqlen_k:
-                roles()
+        if const_expr(self.persistent):
+            grid_shape = (num_n_blocks, mK.shape[2], num_batches)
+            work_of = partial(self._work, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right)
+            self._persistent_roles(*role_args, work_of, grid_shape)
         else:
-            roles()
+            work = self._work(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
+                              cute.arch.block_idx(), cute.arch.grid_dim())
+            roles = partial(self._roles, *role_args, work)
+            if const_expr(self.features.varlen):
+                # the grid covers the longest sequence: a K/V block past this one's keys does nothing
+                # (no role runs, so no barrier waits for a missing peer; its dK/dV rows do not exist)
+                n_block_raw, _, _ = cute.arch.block_idx()
+                if n_block_raw * self.tile_n < work[2].seqlen_k:
+                    roles()
+            else:
+                roles()
+
+    @cute.jit
+    def _persistent_roles(self, warp_idx, mQ, mK, mV, mdO, mdK, mdV, mLSE_log2, mD, mdQ_accum, mSemaphore,
+                          mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_Q, atom_K, atom_V, atom_dO, atom_dK,
+                          atom_dV, mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
+                          softmax_scale_log2, window_left, window_right, softcap_scale, work_of, grid_shape):
+        """The roles of a persistent grid: each walks the one-CTA-per-K/V-block grid's CTAs
+        ``block, block + grid, ...`` (their order: longest first where the traits say so, which
+        keeps each round's K/V blocks alike in length), its pipeline states carried from one K/V
+        block to the next. Varlen: K/V blocks past their sequence's keys are skipped by every role."""
+        num_n, heads_kv, batches = grid_shape
+        num_ctas = num_n * heads_kv * batches
+        first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+        Producer, Consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                states = (pipeline.make_pipeline_state(Producer, 1),
+                          pipeline.make_pipeline_state(Producer, self.q_stages),
+                          pipeline.make_pipeline_state(Producer, self.do_stages))
+                cta = first
+                while cta < num_ctas:
+                    work = work_of(self._grid_coords(cta, num_n, heads_kv), grid_shape)
+                    if self._has_keys(work):
+                        states = self._produce(mQ, mK, mV, mdO, mLSE_log2, mD, sQ, sK, sV, sdO, sLSE, sD, atom_Q,
+                                               atom_K, atom_V, atom_dO, pipe_kv, pipe_q, pipe_do, work, states)
+                    cta += stride
+            if warp_idx == 1:
+                cta = first
+                while cta < num_ctas:
+                    work = work_of(self._grid_coords(cta, num_n, heads_kv), grid_shape)
+                    if self._has_keys(work):
+                        self._write_dq(mdQ_accum, mSemaphore, sdQ, window_left, work, last=False)
+                    cta += stride
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            cute.arch.setmaxregister_increase(MMA_REGISTERS)
+            states = (pipeline.make_pipeline_state(Consumer, 1),
+                      pipeline.make_pipeline_state(Consumer, self.q_stages),
+                      pipeline.make_pipeline_state(Consumer, self.do_stages))
+            cta = first
+            while cta < num_ctas:
+                work = work_of(self._grid_coords(cta, num_n, heads_kv), grid_shape)
+                if self._has_keys(work):
+                    states = self._mma(mdK, mdV, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV,
+                                       mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
+                                       softmax_scale_log2, window_left, window_right, softcap_scale, work, states)
+                cta += stride
+
+    @staticmethod
+    def _grid_coords(cta: Int32, num_n: Int32, heads_kv: Int32):
+        """(K/V block, K/V head, batch) of CTA number ``cta`` of the (K/V blocks, K/V heads, batch)
+        grid, K/V block fastest (the hardware's order)."""
+        pair = cta // num_n
+        return cta - pair * num_n, pair % heads_kv, pair // heads_kv
+
+    def _has_keys(self, work):
+        """Whether the K/V block of ``work`` holds keys (varlen: the grid covers the longest
+        sequence; without varlen, a compile-time True)."""
+        if const_expr(self.features.varlen):
+            return work[0] * self.tile_n < work[2].seqlen_k
+        return True
 
     @cute.jit
     def _roles(self, warp_idx, mQ, mK, mV, mdO, mdK, mdV, mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
@@ -412,14 +496,16 @@ class FlashAttentionBackwardSm90:
                       softcap_scale, work)
 
     @cute.jit
-    def _work(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right):
-        """This CTA's K/V block, K/V head and sequence, and the Q blocks it visits: (n_block,
-        head_kv, seq, first query head, query heads per K/V head, first Q block, Q blocks per
-        head). Every role walks the same (head, Q block) sequence."""
-        n_block, head_kv, batch = cute.arch.block_idx()
+    def _work(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
+              cta_coords, grid_shape):
+        """The K/V block, K/V head and sequence of the CTA at ``cta_coords`` of a (K/V blocks,
+        K/V heads, batch) grid, and the Q blocks it visits: (n_block, head_kv, seq, first query
+        head, query heads per K/V head, first Q block, Q blocks per head). Every role walks the
+        same (head, Q block) sequence."""
+        n_block, head_kv, batch = cta_coords
         if const_expr(self.longest_first):
             # block 0 of every (batch, K/V head) pair of an L2-sized section, then block 1, ...
-            num_n, heads_kv, batches = cute.arch.grid_dim()
+            num_n, heads_kv, batches = grid_shape
             cta = n_block + num_n * (head_kv + heads_kv * batch)
             section = tile_scheduler.backward_heads_per_section(mQ.shape[0], mQ.shape[2] // mK.shape[2], self.head_dim)
             n_block, head_kv, batch = tile_scheduler.section_coords(cta, num_n, heads_kv, batches, section)
@@ -436,21 +522,26 @@ class FlashAttentionBackwardSm90:
     # ------------------------------------------------------------------ producer warp
     @cute.jit
     def _produce(self, mQ, mK, mV, mdO, mLSE_log2, mD, sQ, sK, sV, sdO, sLSE, sD, atom_Q, atom_K, atom_V, atom_dO,
-                 pipe_kv, pipe_q, pipe_do, work):
-        """TMA loads: K and V once, then Q + LSE and dO + D per Q block, in the MMA warpgroups' order."""
+                 pipe_kv, pipe_q, pipe_do, work, states=None):
+        """TMA loads: K and V once, then Q + LSE and dO + D per Q block, in the MMA warpgroups' order.
+        Persistent (``states``: the pipeline states, returned advanced): K and V after the first Q
+        block's loads, which may then arrive while the previous K/V block's dK and dV still occupy
+        K's and V's buffers."""
         n_block, head_kv, seq, head0, group, m_min, num_m = work
         b = seq.tensor_batch
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_kv.producer_acquire(kv_state)
-        for atom, mX, sX in ((atom_K, mK, sK), (atom_V, mV, sV)):
-            gX = cute.local_tile(seq.k_rows(mX[None, None, head_kv, b]), tile_kv, (n_block, 0))
-            tXsX, tXgX = common.tma_tiles(atom, gX, sX)
-            cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        if const_expr(states is None):
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
+        else:
+            kv_state, q_state, do_state = states
+        load_kv = partial(self._load_kv, mK, mV, sK, sV, atom_K, atom_V, pipe_kv, n_block, head_kv, seq)
+        if const_expr(states is None):
+            load_kv(kv_state)
+        kv_pending = Int32(1 if const_expr(states is not None) else 0)
 
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         # (bound before the loop: the DSL would carry an object whose method a loop body calls)
         q_rows, padded_q_rows = seq.q_rows, seq.padded_q_rows
         for g in cutlass.range(group, unroll=1):
@@ -477,13 +568,33 @@ class FlashAttentionBackwardSm90:
                 with cute.arch.elect_one():
                     cute.copy(bulk, gD[None, m_block], sD[None, do_state.index], mbar_ptr=bar)
                 do_state.advance()
+                if const_expr(states is not None):
+                    if kv_pending != 0:
+                        load_kv(kv_state)
+                        kv_pending = Int32(0)
+        if const_expr(states is not None):
+            if kv_pending != 0:  # a K/V block that no query sees (its dK = dV = 0 still go out)
+                load_kv(kv_state)
+            kv_state.advance()
+            return kv_state, q_state, do_state
+
+    @cute.jit
+    def _load_kv(self, mK, mV, sK, sV, atom_K, atom_V, pipe_kv, n_block, head_kv, seq, kv_state):
+        """K and V of this K/V block into their buffers (one pipeline stage)."""
+        tile_kv = (self.tile_n, self.head_dim)
+        pipe_kv.producer_acquire(kv_state)
+        for atom, mX, sX in ((atom_K, mK, sK), (atom_V, mV, sV)):
+            gX = cute.local_tile(seq.k_rows(mX[None, None, head_kv, seq.tensor_batch]), tile_kv, (n_block, 0))
+            tXsX, tXgX = common.tma_tiles(atom, gX, sX)
+            cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
     # ------------------------------------------------------------------ dQ writer warp
     @cute.jit
-    def _write_dq(self, mdQ_accum, mSemaphore, sdQ, window_left, work):
+    def _write_dq(self, mdQ_accum, mSemaphore, sdQ, window_left, work, last: bool = True):
         """Per Q block, add each MMA warpgroup's dQ chunk from shared memory into the global fp32
         accumulator (one bulk reduction each). A chunk's buffer is handed back to its warpgroup
-        once the previous reduction has read it."""
+        once the previous reduction has read it. ``last``: this CTA's last K/V block (wait for the
+        reductions to read shared memory before the CTA ends)."""
         n_block, _, seq, head0, group, m_min, num_m = work
         lane = cute.arch.lane_idx()
         chunk_bytes = self.tile_m * self.head_dim * Float32.width // 8 // NUM_MMA_WARPGROUPS
@@ -520,13 +631,16 @@ class FlashAttentionBackwardSm90:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)  # the additions have landed
                     if lane == 0:
                         cute.arch.store(sem, turn + 1, sem="release", scope="gpu")
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(last):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------ MMA warpgroups
     @cute.jit
     def _mma(self, mdK, mdV, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
              mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
-             softcap_scale, work):
+             softcap_scale, work, states=None):
+        """One K/V block. Persistent (``states``: the pipeline states, returned advanced): K's and
+        V's stage is released once dK and dV have left their buffers."""
         n_block, head_kv, seq, head0, group, m_min, num_m = work
         tidx, wg, (wg_sdp, wg_dkv, wg_dq), (thr_sdp, thr_dkv, thr_dq) = mma_thread_slices(mma_sdp, mma_dkv, mma_dq)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
@@ -563,19 +677,32 @@ class FlashAttentionBackwardSm90:
                pipe_q, pipe_do, softmax_scale_log2, n_block, seq.seqlen_q, seq.seqlen_k, wg, window_left, window_right,
                softcap_scale)
 
-        self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2)
+        states = self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2,
+                                     states)
         # (a K/V block that no query sees still stores its dK = dV = 0)
         self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
                        n_block, head_kv, seq)
+        if const_expr(self.persistent):
+            kv_state, q_state, do_state = states
+            # thread 0 has waited for the dK/dV stores to read K's and V's buffers
+            cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+            common.release_stage(pipe_kv, kv_state)
+            kv_state.advance()
+            return kv_state, q_state, do_state
 
     @cute.jit
-    def _walk_q_blocks(self, ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2):
+    def _walk_q_blocks(self, ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2,
+                       states=None):
         """Once K and V are in: ``_backward_block`` on the ``num_m`` Q blocks from ``m_min`` of
-        each of the ``group`` query heads of this K/V head."""
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        each of the ``group`` query heads of this K/V head. ``states``: the pipeline states to start
+        from (persistent; returned advanced), else fresh ones."""
+        if const_expr(states is None):
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        else:
+            kv_state, q_state, do_state = states
         pipe_kv.consumer_wait(kv_state)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
         # One loop body for every Q block, masked or not: a second, unmasked copy of the body
         # (as the forward has) measured slower here, the masks being one compare and select
         # per element against the ~100 cycles per element of the five GEMMs.
@@ -587,6 +714,7 @@ class FlashAttentionBackwardSm90:
                 self._backward_block(ctx, q_state, do_state, m_min + i, alibi_slope)
                 q_state.advance()
                 do_state.advance()
+        return kv_state, q_state, do_state
 
     @cute.jit
     def _backward_block(self, ctx, q_state, do_state, m_block: Int32, alibi_slope):
