@@ -443,8 +443,9 @@ class Sm90BackwardTraits:
 # the next block's first Q and dO loads overlapping this one's end): +5-7% at S 1024-16384 on H100
 # (2026-11-26, beside the one-CTA-per-block grid in one run). Not elsewhere: d128 non-causal gained
 # 0.2-2% but its 80-row kernel then spills 4 bytes; causal K/V blocks differ in length, and the
-# static rounds balanced them so badly (d64 -7..-31%, d128 longest first -20..-38%) that causal
-# would need a dynamic deal (the forward's dynamic_tiles), not built yet.
+# static rounds balanced them badly (d64 -7..-31%, d128 longest first -20..-38%); a dynamic deal
+# (an atomic counter, as the forward's dynamic_tiles) measured level with one CTA per block
+# (-5..+2.5%), so causal keeps the one-CTA-per-block grid.
 _B = Sm90BackwardTraits
 SM90_BACKWARD = {
     32: dict.fromkeys((False, True), _B(32, tile_m=128)),
