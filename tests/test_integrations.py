@@ -628,9 +628,13 @@ def test_mask_function(integration):
     static = integration.padding_mask(2, 1, 32, q_offset=torch.tensor(8), attention_mask=None)
     assert static.shape == (2, 9) and static.all()
     assert integration.padding_mask(2, 3, 32, mask_function=mu.bidirectional_mask_function) is None  # cross attn
-    for pattern in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(4),
-                    mu.packed_sequence_compatibility_function(mu.causal_mask_function, torch.zeros(1, 9, dtype=int),
-                                                              torch.zeros(1, 9, dtype=int))):
+    positions, sequences = torch.zeros(1, 9, dtype=int), torch.zeros(1, 9, dtype=int)
+    if hasattr(mu, "packed_sequence_compatibility_function"):
+        packed = mu.packed_sequence_compatibility_function(mu.causal_mask_function, positions, sequences)
+    else:  # transformers releases whose create_causal_mask composes the packing parts itself
+        packed = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, positions),
+                              mu.packed_sequence_mask_function(sequences))
+    for pattern in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(4), packed):
         assert integration.pattern_parts(pattern) is not None
     chunked = mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=int))
     overlay = mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function)
