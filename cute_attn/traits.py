@@ -460,11 +460,15 @@ SM90_BACKWARD = {
 def sm90_backward_traits(head_dim: int, causal: bool = False, smem_capacity: int | None = None,
                          varlen: bool = False) -> tuple[Sm90BackwardTraits, ...]:
     """The SM90 backward candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80).
-    Varlen takes 64-row Q blocks where the table has 80: a sequence's rows start at a multiple of
-    VARLEN_ROW_PAD in the row buffers, which 80-row blocks would overrun."""
+    Varlen takes 64-row Q blocks where the table has 80 (a sequence's rows start at a multiple of
+    VARLEN_ROW_PAD in the row buffers, which 80-row blocks would overrun), and no persistent grid."""
     t = SM90_BACKWARD.get(padded_head_dim(head_dim), {}).get(bool(causal))
     if t is not None and varlen and VARLEN_ROW_PAD % t.tile_m:
         t = replace(t, tile_m=64)
+    if t is not None and varlen:
+        # a varlen grid covers the longest sequence's K/V blocks: fixed rounds deal the real ones
+        # out unevenly (persistent d128 non-causal 499 against 544 TFLOP/s, docs/performance.md)
+        t = replace(t, persistent=False)
     return tuple(c for c in (t,) if c is not None and (not smem_capacity or c.smem_bytes() <= smem_capacity))
 
 

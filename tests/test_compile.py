@@ -380,6 +380,8 @@ def test_sm90_backward_table_and_fallback():
     assert not any(t.persistent for d, by in SM90_BACKWARD.items() for c, t in by.items() if (d, c) != (64, False))
     assert backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90")[1].traits.persistent
     assert not backward_keys("sm_90a", "bf16", 64, False, True, kernel="sm90")[1].traits.persistent
+    assert not backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90",
+                             features=Features(varlen=True))[1].traits.persistent
     assert parse_backward_traits("m64n128s2lp", 128).persistent
     assert backward_keys("sm_90a", "fp16", 128, True, True, traits=spec)[1].kernel == "sm90"
     with pytest.raises(ValueError, match="sm_90a"):

@@ -184,15 +184,15 @@ def test_varlen_many_sequences(causal, num_seqs):
     check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"{num_seqs} sequences causal={causal}")
 
 
-def test_varlen_noncausal_d64_persistent_backward():
-    """d64 non-causal: the SM90 backward's persistent grid walks K/V blocks of several sequences,
-    skipping those past a sequence's keys (the key-less one) and storing dK = dV = 0 for those no
-    query sees (the query-less one), with more K/V blocks than SMs."""
+def test_varlen_noncausal_d64_backward():
+    """d64 non-causal varlen (whose dense SM90 backward runs a persistent grid, varlen not): K/V
+    blocks past a sequence's keys (the key-less one), dK = dV = 0 for those no query sees (the
+    query-less one), more K/V blocks than SMs."""
     q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 4, 2, 64, torch.bfloat16)
-    check_varlen(q, k, v, cu_q, cu_k, False, {}, "varlen d64 persistent")
+    check_varlen(q, k, v, cu_q, cu_k, False, {}, "varlen d64")
     lengths_q, lengths_k = [300, 0, 2000, 17, 1500], [1200, 700, 2100, 0, 1500]
     q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 16, 16, 64, torch.bfloat16)
-    check_varlen(q, k, v, cu_q, cu_k, False, {}, "varlen d64 persistent, many K/V blocks")
+    check_varlen(q, k, v, cu_q, cu_k, False, {}, "varlen d64, many K/V blocks")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
