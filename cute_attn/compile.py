@@ -205,8 +205,8 @@ def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, determin
                 raise ValueError(f"traits {traits.spec}: Q blocks of {traits.tile_m} rows need head_dim 97-128 "
                                  f"and no varlen (got head_dim {head_dim}, varlen={features.varlen})")
     elif kernel == "sm90" and target == "sm_90a" and sm90_backward_traits(head_dim, causal, smem_capacity,
-                                                                          features.varlen):
-        candidates = sm90_backward_traits(head_dim, causal, smem_capacity, features.varlen)
+                                                                          features.varlen, features.local):
+        candidates = sm90_backward_traits(head_dim, causal, smem_capacity, features.varlen, features.local)
     else:
         kernel, candidates = "sm80", sm80_backward_traits(head_dim)
     if kernel == "sm90" and target != "sm_90a":

@@ -458,11 +458,16 @@ SM90_BACKWARD = {
 
 
 def sm90_backward_traits(head_dim: int, causal: bool = False, smem_capacity: int | None = None,
-                         varlen: bool = False) -> tuple[Sm90BackwardTraits, ...]:
+                         varlen: bool = False, local: bool = False) -> tuple[Sm90BackwardTraits, ...]:
     """The SM90 backward candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80).
     Varlen takes 64-row Q blocks where the table has 80 (a sequence's rows start at a multiple of
-    VARLEN_ROW_PAD in the row buffers, which 80-row blocks would overrun), and no persistent grid."""
+    VARLEN_ROW_PAD in the row buffers, which 80-row blocks would overrun), and no persistent grid;
+    a causal window (``local``) of d64/d128 takes one: its K/V blocks see about as many Q blocks
+    each, so fixed rounds deal them out evenly (window 1024 at S 4096/16384 on H100, 2026-11-26:
+    d128 +4.7% / +3.2%, d64 +1.5% / +2.0%; docs/performance.md)."""
     t = SM90_BACKWARD.get(padded_head_dim(head_dim), {}).get(bool(causal))
+    if t is not None and causal and local and padded_head_dim(head_dim) in (64, 128):
+        t = replace(t, persistent=True)
     if t is not None and varlen and VARLEN_ROW_PAD % t.tile_m:
         t = replace(t, tile_m=64)
     if t is not None and varlen:

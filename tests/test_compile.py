@@ -382,6 +382,14 @@ def test_sm90_backward_table_and_fallback():
     assert not backward_keys("sm_90a", "bf16", 64, False, True, kernel="sm90")[1].traits.persistent
     assert not backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90",
                              features=Features(varlen=True))[1].traits.persistent
+    # a causal window (d64/d128): persistent as well; not with varlen, not d96 (not measured)
+    assert not backward_keys("sm_90a", "bf16", 96, True, False, kernel="sm90",
+                             features=Features(local=True))[1].traits.persistent
+    for d in (64, 128):
+        assert backward_keys("sm_90a", "bf16", d, True, False, kernel="sm90",
+                             features=Features(local=True, softcap=True))[1].traits.persistent
+        assert not backward_keys("sm_90a", "bf16", d, True, False, kernel="sm90",
+                                 features=Features(local=True, varlen=True))[1].traits.persistent
     assert parse_backward_traits("m64n128s2lp", 128).persistent
     assert backward_keys("sm_90a", "fp16", 128, True, True, traits=spec)[1].kernel == "sm90"
     with pytest.raises(ValueError, match="sm_90a"):

@@ -94,6 +94,14 @@ def test_window_softcap_alibi_every_head_dim(head_dim):
         check_dense(q, k, v, False, options, f"d={head_dim} sq={seqlen_q} sk={seqlen_k}")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_causal_window_over_many_kv_blocks(head_dim):
+    """A causal window with more K/V blocks than SMs (the SM90 backward then runs its persistent
+    grid, the forward its dynamic deal), GQA, softcap, seqlen_q != seqlen_k."""
+    q, k, v = random_qkv(3, 1900, 2100, 8, 2, head_dim, torch.bfloat16)
+    check_dense(q, k, v, True, dict(window_size=(256, 0), softcap=5.0), f"causal window d={head_dim}")
+
+
 def test_all_features_fp16():
     q, k, v = random_qkv(2, 255, 300, 4, 2, 128, torch.float16)
     check_dense(q, k, v, False, _options(dict(softcap=5.0, alibi=False, window_size=(100, 0)), 2, 4), "fp16")
