@@ -420,9 +420,9 @@ class FlashAttentionBackwardSm90:
                           atom_dV, mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
                           softmax_scale_log2, window_left, window_right, softcap_scale, work_of, grid_shape):
         """The roles of a persistent grid: each walks the one-CTA-per-K/V-block grid's CTAs
-        ``block, block + grid, ...`` (their order: longest first where the traits say so, which
-        keeps each round's K/V blocks alike in length), its pipeline states carried from one K/V
-        block to the next. Varlen: K/V blocks past their sequence's keys are skipped by every role."""
+        ``block, block + grid, ...`` (fixed rounds: for K/V blocks alike in length, as non-causal
+        and windowed ones are), its pipeline states carried from one K/V block to the next.
+        Varlen (explicit traits only): K/V blocks past their sequence's keys are skipped by every role."""
         num_n, heads_kv, batches = grid_shape
         num_ctas = num_n * heads_kv * batches
         first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
@@ -539,7 +539,8 @@ class FlashAttentionBackwardSm90:
         load_kv = partial(self._load_kv, mK, mV, sK, sV, atom_K, atom_V, pipe_kv, n_block, head_kv, seq)
         if const_expr(states is None):
             load_kv(kv_state)
-        kv_pending = Int32(1 if const_expr(states is not None) else 0)
+        else:
+            kv_pending = Int32(1)  # K and V go out after the first Q block's loads
 
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         # (bound before the loop: the DSL would carry an object whose method a loop body calls)

@@ -32,11 +32,12 @@ whole tile goes out through Q's buffer.
 Varlen (packed sequences, kernels/seqlen_info.py): the tiles cover the longest sequence's Q blocks
 for every sequence, and a tile past its own sequence's end is skipped by every role alike
 (``_next_tile``); non-causal batches of up to 32 sequences number their tiles without holes
-instead (tile_scheduler.varlen_tile_coords). Causal varlen batches run a persistent grid with a
-dynamic deal (``dynamic_tiles``): the producer warp takes each next tile number from a counter,
-skips those past their sequence's end, and hands the tile to the consumers. Loads start at the sequence's first row (rows past
-its end are the next sequence's: masked, or never stored); O's store goes through a ragged view
-that clips a partial last tile at the sequence's end.
+instead (tile_scheduler.varlen_tile_coords). Causal varlen and causal windowed batches (d64, d128)
+run a persistent grid with a dynamic deal (``dynamic_tiles``): the producer warp takes each next
+tile number from a counter, skips those past their sequence's end, and hands the tile to the
+consumers. Loads start at the sequence's first row (rows past its end are the next sequence's:
+masked, or never stored); O's store goes through a ragged view that clips a partial last tile at
+the sequence's end.
 """
 
 from functools import partial
