@@ -426,13 +426,10 @@ class FlashAttentionBackwardSm90:
         num_n, heads_kv, batches = grid_shape
         num_ctas = num_n * heads_kv * batches
         first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
-        Producer, Consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
-                states = (pipeline.make_pipeline_state(Producer, 1),
-                          pipeline.make_pipeline_state(Producer, self.q_stages),
-                          pipeline.make_pipeline_state(Producer, self.do_stages))
+                states = self._pipeline_states(pipeline.PipelineUserType.Producer)
                 cta = first
                 while cta < num_ctas:
                     work = work_of(self._grid_coords(cta, num_n, heads_kv), grid_shape)
@@ -450,9 +447,7 @@ class FlashAttentionBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
             cute.arch.setmaxregister_increase(MMA_REGISTERS)
-            states = (pipeline.make_pipeline_state(Consumer, 1),
-                      pipeline.make_pipeline_state(Consumer, self.q_stages),
-                      pipeline.make_pipeline_state(Consumer, self.do_stages))
+            states = self._pipeline_states(pipeline.PipelineUserType.Consumer)
             cta = first
             while cta < num_ctas:
                 work = work_of(self._grid_coords(cta, num_n, heads_kv), grid_shape)
@@ -461,6 +456,11 @@ class FlashAttentionBackwardSm90:
                                        mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
                                        softmax_scale_log2, window_left, window_right, softcap_scale, work, states)
                 cta += stride
+
+    def _pipeline_states(self, role):
+        """Fresh (K/V, Q, dO) pipeline states of ``role`` (a pipeline.PipelineUserType)."""
+        return (pipeline.make_pipeline_state(role, 1), pipeline.make_pipeline_state(role, self.q_stages),
+                pipeline.make_pipeline_state(role, self.do_stages))
 
     @staticmethod
     def _grid_coords(cta: Int32, num_n: Int32, heads_kv: Int32):
@@ -530,12 +530,8 @@ class FlashAttentionBackwardSm90:
         n_block, head_kv, seq, head0, group, m_min, num_m = work
         b = seq.tensor_batch
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
-        if const_expr(states is None):
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
-            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
-        else:
-            kv_state, q_state, do_state = states
+        kv_state, q_state, do_state = self._pipeline_states(pipeline.PipelineUserType.Producer) \
+            if const_expr(states is None) else states
         load_kv = partial(self._load_kv, mK, mV, sK, sV, atom_K, atom_V, pipe_kv, n_block, head_kv, seq)
         if const_expr(states is None):
             load_kv(kv_state)
@@ -697,12 +693,8 @@ class FlashAttentionBackwardSm90:
         """Once K and V are in: ``_backward_block`` on the ``num_m`` Q blocks from ``m_min`` of
         each of the ``group`` query heads of this K/V head. ``states``: the pipeline states to start
         from (persistent; returned advanced), else fresh ones."""
-        if const_expr(states is None):
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
-        else:
-            kv_state, q_state, do_state = states
+        kv_state, q_state, do_state = self._pipeline_states(pipeline.PipelineUserType.Consumer) \
+            if const_expr(states is None) else states
         pipe_kv.consumer_wait(kv_state)
         # One loop body for every Q block, masked or not: a second, unmasked copy of the body
         # (as the forward has) measured slower here, the masks being one compare and select
