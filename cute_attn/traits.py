@@ -439,16 +439,17 @@ class Sm90BackwardTraits:
 # the grid's order. The order alone explains little of it: at S 8192 sections of 1 and 4
 # heads ran alike, and the SASS inner loop is unchanged but starts 128-byte aligned
 # (docs/performance.md, "Causal CTA order of the backward").
-# d64 non-causal runs a persistent grid ('p': one CTA per SM walks the K/V blocks round by round,
-# the next block's first Q and dO loads overlapping this one's end): +5-7% at S 1024-16384 on H100
-# (2026-11-26, beside the one-CTA-per-block grid in one run). Not elsewhere: d128 non-causal gained
+# d32/d64 non-causal run a persistent grid ('p': one CTA per SM walks the K/V blocks round by round,
+# the next block's first Q and dO loads overlapping this one's end): d64 +5-7%, d32 +4-11% at S
+# 1024-16384 on H100 (2026-11-26, beside the one-CTA-per-block grid in one run); d96 measured
+# -1..+9% (noisy) and keeps one CTA per block. Not elsewhere: d128 non-causal gained
 # 0.2-2% but its 80-row kernel then spills 4 bytes; causal K/V blocks differ in length, and the
 # static rounds balanced them badly (d64 -7..-31%, d128 longest first -20..-38%); a dynamic deal
 # (an atomic counter, as the forward's dynamic_tiles) measured level with one CTA per block
 # (-5..+2.5%), so causal keeps the one-CTA-per-block grid.
 _B = Sm90BackwardTraits
 SM90_BACKWARD = {
-    32: dict.fromkeys((False, True), _B(32, tile_m=128)),
+    32: {False: _B(32, tile_m=128, persistent=True), True: _B(32, tile_m=128)},
     64: {False: _B(64, tile_m=128, persistent=True), True: _B(64, tile_m=128)},
     96: dict.fromkeys((False, True), _B(96, tile_m=64)),
     128: {False: _B(128, tile_m=80), True: _B(128, tile_m=64, longest_first=True)},
