@@ -386,7 +386,7 @@ def build_backward(key, keep_artifacts: bool = False):
 
                 kernel = backward_large.FlashAttentionBackwardSm90LargeHeadDim(
                     dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_stages, tr.dout_stages, key.causal,
-                    key.deterministic, features=key.features,
+                    key.deterministic, features=key.features, dq_parts=tr.dq_parts,
                 )
             elif key.kernel == "sm90":
                 kernel = bwd90.FlashAttentionBackwardSm90(

@@ -362,16 +362,18 @@ def parse_backward_traits(spec: str, head_dim: int):
     Sm90BackwardTraits of the large-head-dim kernel (one dO stage, transposed dK/dV) (for tools and sweeps)."""
     import re
 
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(?:d(\d+))?(t)?(l)?(p)?", spec)
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(?:d(\d+))?(t)?(?:q(\d+))?(l)?(p)?", spec)
     if m:
-        tile_m, tile_n, stages, do_stages, swap, longest, persistent = m.groups()
+        tile_m, tile_n, stages, do_stages, swap, dq_parts, longest, persistent = m.groups()
+        if dq_parts is not None and not swap:
+            raise ValueError(f"backward traits spec {spec!r}: dQ parts (q) only with the large-head-dim kernel (t)")
         return Sm90BackwardTraits(padded_head_dim(head_dim), int(tile_m), int(tile_n), int(stages),
                                   int(do_stages) if do_stages is not None else None, bool(swap), bool(longest),
-                                  bool(persistent))
+                                  bool(persistent), int(dq_parts) if dq_parts is not None else 1)
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)a(\d+)b(\d+)c(\d+)", spec)
     if not m:
         raise ValueError(f"backward traits spec must look like m64n128w8a2b4c2 (SM80) or m64n128s2 (SM90, "
-                         f"optionally d1, t, l and p), got {spec!r}")
+                         f"optionally d1, t, q2, l and p), got {spec!r}")
     return BackwardTraits(padded_head_dim(head_dim), *map(int, m.groups()))
 
 
@@ -393,13 +395,17 @@ class Sm90BackwardTraits:
     longest_first: bool = False
     # a persistent grid (not deterministic, not swap_dkv): one CTA per SM walks the K/V blocks
     persistent: bool = False
+    # swap_dkv: each warpgroup's dQ computed and staged in this many column parts (1 or 2): half
+    # the fp32 staging buffer, so that d256 fits 64 keys beside two Q stages
+    dq_parts: int = 1
 
     @property
     def spec(self) -> str:
-        """'m64n128s2' (+ 'd1': dO stages, 't': swap_dkv, 'l': longest_first, 'p': persistent): the
-        form parse_backward_traits and --bwd-sweep take."""
+        """'m64n128s2' (+ 'd1': dO stages, 't': swap_dkv, 'q2': dQ parts, 'l': longest_first, 'p':
+        persistent): the form parse_backward_traits and --bwd-sweep take."""
         return (f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
                 f"{f'd{self.do_stages}' if self.do_stages is not None else ''}{'t' if self.swap_dkv else ''}"
+                f"{f'q{self.dq_parts}' if self.dq_parts != 1 else ''}"
                 f"{'l' if self.longest_first else ''}{'p' if self.persistent else ''}")
 
     @property
@@ -409,8 +415,10 @@ class Sm90BackwardTraits:
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         d, m, n, s, sdo = self.head_dim, self.tile_m, self.tile_n, self.num_stages, self.dout_stages
         if self.swap_dkv:
-            # Q, dO (their stages) + K, V + one P and one dS + the fp32 dQ of one Q block + LSE, D + barriers
-            return elem_bytes * ((s + sdo) * m * d + 2 * n * d + 2 * m * n) + 4 * m * d + 4 * m * (s + sdo) + 1024
+            # Q, dO (their stages) + K, V + one P and one dS + the fp32 dQ of one Q block (or of one
+            # column part of it) + LSE, D + barriers
+            return (elem_bytes * ((s + sdo) * m * d + 2 * n * d + 2 * m * n) + 4 * m * d // self.dq_parts
+                    + 4 * m * (s + sdo) + 1024)
         # Q, dO, dS (per stage) + K, V + the fp32 dQ of one Q block + LSE, D (per stage) + barriers
         return elem_bytes * (s * (2 * m * d + m * n) + 2 * n * d) + 4 * m * d + 2 * 4 * m * s + 1024
 
@@ -428,11 +436,16 @@ class Sm90BackwardTraits:
 # d192/d256: that kernel's dK and dV alone would take 192/256 registers per thread at 128 keys per
 # CTA, so they run kernels/sm90/backward_large.py (FlashAttention-3/4's decomposition for large
 # head dims: 64 Q rows, S and dP not transposed, dK^T and dV^T with the head dim on the wgmma M
-# axis), with FlashAttention-4's tiles. What limits them is shared memory, 227 KB: Q takes two
-# stages, dO one, P and dS one buffer each, and the fp32 dQ staging buffer of a Q block (48/64 KB)
-# must fit beside them. d192: 96 keys (218 KB; dK^T + dV^T 144 registers per thread, the
-# warpgroups split the keys, since 192 rows of the head dim do not halve into 64-row wgmma tiles);
-# d256: 48 keys (222 KB; 96 registers, the warpgroups split the head dim). Not yet measured.
+# axis). What limits them is shared memory, 227 KB: Q takes two stages, dO one, P and dS one
+# buffer each, and the fp32 dQ staging buffer must fit beside them. d192: 96 keys
+# (FlashAttention-4's tile, 218 KB; dK^T + dV^T 144 registers per thread, the warpgroups split the
+# keys, since 192 rows of the head dim do not halve into 64-row wgmma tiles). d256: 64 keys with
+# dQ computed and staged in two column parts (dq_parts, 'q2': a 32 KB staging buffer instead of 64;
+# 210 KB; dK^T + dV^T 128 registers, the warpgroups split the head dim). At d256 the kernel is
+# bound by L2 traffic (a Q block's Q, dO and fp32 dQ, 2 KB per row, per K/V block: ~5.2 TB/s at
+# 48 keys), so 64 keys instead of FlashAttention-4's 48 bought +19-43% (H100, 2026-11-26: 254-437
+# against 214-314 TFLOP/s, 1.03-1.22x cuDNN). d192 with dQ parts and two dO stages measured 6-10%
+# slower (its K then takes a narrower swizzle), so d192 keeps FA4's tile.
 # Causal d128 runs its CTAs longest first (K/V block 0 of each head of a section, then block 1...;
 # plain causal only, without window, softcap, ALiBi or varlen: the variant measured): +2..+8% at
 # S 2048-8192 in burst, +2..+4% sustained; -2% at S 1024; d64 measured -1..-11% with it and keeps
@@ -454,7 +467,8 @@ SM90_BACKWARD = {
     96: dict.fromkeys((False, True), _B(96, tile_m=64)),
     128: {False: _B(128, tile_m=80), True: _B(128, tile_m=64, longest_first=True)},
     192: dict.fromkeys((False, True), _B(192, tile_m=64, tile_n=96, num_stages=2, do_stages=1, swap_dkv=True)),
-    256: dict.fromkeys((False, True), _B(256, tile_m=64, tile_n=48, num_stages=2, do_stages=1, swap_dkv=True)),
+    256: dict.fromkeys((False, True), _B(256, tile_m=64, tile_n=64, num_stages=2, do_stages=1, swap_dkv=True,
+                                         dq_parts=2)),
 }
 
 

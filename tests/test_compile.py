@@ -313,6 +313,12 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
             dkv = [line for line in ptx.splitlines() if f"aligned.m64n{dkv_n}k16" in line]
             assert any(line.rstrip().endswith("1, 1;") for line in dkv), "no MN-major dK^T / dV^T wgmma"
             assert "stmatrix.sync.aligned.m8n8.x4.trans" in ptx
+            # dQ = dS K: each warpgroup's head-dim columns, in dq_parts GEMMs of 64 rows by
+            # head_dim / 2 / dq_parts columns over the CTA's keys, each part one bulk reduction
+            # per warpgroup
+            dq_n = t.head_dim // 2 // t.dq_parts
+            assert sum(f"aligned.m64n{dq_n}k16" in line for line in ptx.splitlines()) >= t.dq_parts * t.tile_n // 16
+            assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2 * t.dq_parts
         elif t.tile_m % 64:
             # 80-row Q blocks: S^T, dP^T with N = 80 (both K-major), and dQ^T = K^T dS^T with K^T
             # MN-major (the first trailing transpose flag), 8 k-steps over the 128 keys
@@ -355,6 +361,11 @@ def test_sm90_backward_table_and_fallback():
     large = parse_backward_traits("m64n48s2d1t", 256)
     assert large == Sm90BackwardTraits(256, 64, 48, 2, do_stages=1, swap_dkv=True) and large.spec == "m64n48s2d1t"
     assert large.dout_stages == 1 and parse_backward_traits("m64n128s2", 64).dout_stages == 2
+    # d256: 64 keys, its dQ in two column parts (half the fp32 staging buffer)
+    assert SM90_BACKWARD[256][True] == parse_backward_traits("m64n64s2d1tq2", 256)
+    assert SM90_BACKWARD[256][True].dq_parts == 2 and SM90_BACKWARD[192][True].dq_parts == 1
+    with pytest.raises(ValueError, match="dQ parts"):
+        parse_backward_traits("m64n128s2q2", 128)
     assert backward_keys("sm_90a", "bf16", 72, True, False, kernel="sm90")[1].traits == SM90_BACKWARD[96][True]
     assert backward_keys("sm_80", "bf16", 64, False, False, kernel="sm90")[1].kernel == "sm80"
     assert backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90", smem_capacity=100 * 1024)[1].kernel == "sm80"

@@ -207,6 +207,9 @@ class FlashAttentionBackwardSm90:
     dkv_transposed = False
     # (backward_large.py's kernel always runs one CTA per K/V block)
     persistent = False
+    # each MMA warpgroup's dQ of a Q block is computed and staged in this many column parts
+    # (backward_large.py at d256: halves, so the fp32 staging buffer fits beside 64 keys)
+    dq_parts = 1
 
     def _dq_cols_per_warpgroup(self) -> int:
         """Head-dim columns of dQ = dS K per MMA warpgroup (``dq_tiled_mma``)."""
@@ -294,7 +297,7 @@ class FlashAttentionBackwardSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]  # (P,) dS
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d // self.dq_parts], 1024]
 
         grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(num_batches))
         if const_expr(self.persistent):
@@ -384,8 +387,8 @@ class FlashAttentionBackwardSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(cute.make_layout((self.tile_m, self.q_stages)))
         sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
-        sdQ = storage.sdQ.get_tensor(cute.make_layout((self.tile_m * self.head_dim // NUM_MMA_WARPGROUPS,
-                                                       NUM_MMA_WARPGROUPS)))
+        sdQ = storage.sdQ.get_tensor(cute.make_layout((self.tile_m * self.head_dim // NUM_MMA_WARPGROUPS
+                                                       // self.dq_parts, NUM_MMA_WARPGROUPS)))
         pipeline.pipeline_init_wait()
 
         # the window's edges only where the kernel has one (None: compiled out)
@@ -589,41 +592,49 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def _write_dq(self, mdQ_accum, mSemaphore, sdQ, window_left, work, last: bool = True):
         """Per Q block, add each MMA warpgroup's dQ chunk from shared memory into the global fp32
-        accumulator (one bulk reduction each). A chunk's buffer is handed back to its warpgroup
-        once the previous reduction has read it. ``last``: this CTA's last K/V block (wait for the
-        reductions to read shared memory before the CTA ends)."""
+        accumulator (one bulk reduction each; ``dq_parts`` of them, one per column part). A
+        chunk's buffer is handed back to its warpgroup once the previous reduction has read it.
+        ``last``: this CTA's last K/V block (wait for the reductions to read shared memory before
+        the CTA ends)."""
         n_block, _, seq, head0, group, m_min, num_m = work
         lane = cute.arch.lane_idx()
-        chunk_bytes = self.tile_m * self.head_dim * Float32.width // 8 // NUM_MMA_WARPGROUPS
+        part_elems = self.tile_m * self.head_dim // NUM_MMA_WARPGROUPS // self.dq_parts
         for g in cutlass.range(group, unroll=1):
             head = head0 + g
             for i in cutlass.range(num_m, unroll=1):
                 m_block = m_min + i
-                for wg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
-                    # reductions complete in order: at most the later warpgroups' may still read
-                    cute.arch.cp_async_bulk_wait_group(NUM_MMA_WARPGROUPS - 1 - wg, read=True)
-                    cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY_WG1) + wg,
-                                             number_of_threads=WARPGROUP_THREADS + 32)
                 sem = None
                 turn = None
-                if const_expr(self.deterministic):
-                    # the K/V blocks that see a Q block add their shares in a fixed order
-                    turn = dq_semaphore_turn(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
-                                             self.causal, window_left)
-                    sem = mSemaphore[seq.batch, head, None].iterator + m_block
-                    if lane == 0:
-                        while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
-                            pass
-                    cute.arch.sync_warp()
-                gdQ = dq_accum_slots(mdQ_accum, seq, head, m_block, self.tile_m, self.head_dim, NUM_MMA_WARPGROUPS)
-                for wg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
-                    cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL_WG1) + wg, number_of_threads=WARPGROUP_THREADS + 32)
-                    with cute.arch.elect_one():
-                        primitives.cp_reduce_async_bulk_global_shared_cta(
-                            gdQ[None, wg].iterator, sdQ[None, wg].iterator, chunk_bytes,
-                            op=primitives.CpReduceOp.ADD, type=primitives.CpReduceType.F32,
-                        )
-                    cute.arch.cp_async_bulk_commit_group()
+                for part in cutlass.range_constexpr(self.dq_parts):
+                    for wg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
+                        # reductions complete in order: at most the later warpgroups' may still read
+                        cute.arch.cp_async_bulk_wait_group(NUM_MMA_WARPGROUPS - 1 - wg, read=True)
+                        cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY_WG1) + wg,
+                                                 number_of_threads=WARPGROUP_THREADS + 32)
+                    if const_expr(self.deterministic and part == 0):
+                        # the K/V blocks that see a Q block add their shares in a fixed order
+                        turn = dq_semaphore_turn(m_block, n_block, self.tile_m, self.tile_n, seq.seqlen_q,
+                                                 seq.seqlen_k, self.causal, window_left)
+                        sem = mSemaphore[seq.batch, head, None].iterator + m_block
+                        if lane == 0:
+                            while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
+                                pass
+                        cute.arch.sync_warp()
+                    gdQ = dq_accum_slots(mdQ_accum, seq, head, m_block, self.tile_m, self.head_dim,
+                                         NUM_MMA_WARPGROUPS)
+                    for wg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
+                        cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL_WG1) + wg,
+                                          number_of_threads=WARPGROUP_THREADS + 32)
+                        # in parts, warpgroup wg's part ``part`` is the slots of the postprocess's
+                        # chunk ``part``, sub-part wg (backward_large.py, ``dq_part_slots``)
+                        dst = (gdQ[None, wg].iterator if const_expr(self.dq_parts == 1)
+                               else gdQ[None, part].iterator + wg * part_elems)
+                        with cute.arch.elect_one():
+                            primitives.cp_reduce_async_bulk_global_shared_cta(
+                                dst, sdQ[None, wg].iterator, part_elems * Float32.width // 8,
+                                op=primitives.CpReduceOp.ADD, type=primitives.CpReduceType.F32,
+                            )
+                        cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)  # the additions have landed
                     if lane == 0:

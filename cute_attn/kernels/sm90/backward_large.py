@@ -15,14 +15,21 @@ P and dS go to shared memory (one buffer each), where dV^T and dK^T read them as
 and dQ reads dS as its A operand. dK^T and dV^T take head_dim * tile_n / 256 fp32 registers each
 per thread: the two warpgroups split the head dim into 64-row wgmma tiles where it halves into
 them (d256: 128 rows each) and the keys otherwise (d192: 48 keys each). With the tiles of
-traits.SM90_BACKWARD that is 144 (d192, 96 keys) and 96 (d256, 48 keys) registers.
+traits.SM90_BACKWARD that is 144 (d192, 96 keys) and 128 (d256, 64 keys) registers.
+
+``dq_parts`` = 2 (d256): each warpgroup computes its dQ in two GEMMs of half its columns and
+stages each half in a buffer of half the size (16 KB instead of 32 KB per warpgroup), the second
+GEMM running while the dQ writer reduces the first. That frees the shared memory for 64 keys
+per CTA beside two Q stages: the kernel reads Q and dO and adds a Q block's dQ once per 64 keys
+instead of per 48, and at d256 that L2 traffic is what bounds it (+19-43%, docs/performance.md).
 
 Everything else is the kernel of backward.py, which this class extends: the grid (one CTA per K/V
 block, K/V head and batch; every Q block of every query head of the K/V head, GQA/MQA summed in
 registers), the producer warp (Q + LSE in ``num_stages`` buffers, dO + D in ``do_stages``), the dQ
 writer warp (fp32 bulk reductions into the global accumulator, in the semaphore order when
 deterministic), the dQ accumulator's slot order (this kernel's dQ MMA is backward.py's for 64-row
-Q blocks, so ``BackwardPostprocessSm90`` reads it as it is), the features (local window, softcap,
+Q blocks, so ``BackwardPostprocessSm90`` reads it as it is; in parts, ``_dq_cols_per_warpgroup``
+says how the same order is kept), the features (local window, softcap,
 ALiBi, varlen; masks on the non-transposed tile through ``mask.apply_mask``, as the forward) and
 the epilogue (dK, dV through K's and V's buffers and TMA stores; here with stmatrix.trans).
 """
@@ -75,8 +82,10 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         causal: bool,
         deterministic: bool,
         features: Features = NO_FEATURES,
+        dq_parts: int = 1,
     ):
         assert tile_m == 64, "tile_m: one 64-row wgmma tile of Q rows"
+        assert dq_parts in (1, NUM_MMA_WARPGROUPS), "dq_parts: whole, or one part per warpgroup"
         assert head_dim % 64 == 0, "head_dim: whole 64-row wgmma tiles of dK^T and dV^T"
         assert tile_n % (8 * NUM_MMA_WARPGROUPS) == 0 and tile_n % 16 == 0
         self.dtype = dtype
@@ -88,6 +97,7 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         self.causal = causal
         self.deterministic = deterministic
         self.features = features
+        self.dq_parts = dq_parts
         self.longest_first = False  # (not measured for the large head dims)
         self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
         self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
@@ -96,7 +106,11 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         assert not self.dkv_split_keys or (tile_n // NUM_MMA_WARPGROUPS) % 8 == 0
 
     def _dq_cols_per_warpgroup(self) -> int:
-        return self.head_dim // NUM_MMA_WARPGROUPS
+        """Head-dim columns of one dQ GEMM per warpgroup: in parts, part p of warpgroup w is
+        columns (p * NUM_MMA_WARPGROUPS + w) * cols, so that its registers are the slots of the
+        postprocess's chunk p, sub-part w (``_write_dq``), and the global accumulator's order is the
+        one-part kernel's."""
+        return self.head_dim // NUM_MMA_WARPGROUPS // self.dq_parts
 
     def _keys_per_warpgroup(self) -> int:
         """Keys (columns of S and dP) per MMA warpgroup."""
@@ -129,7 +143,7 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         # dV^T += dO^T P and dK^T += Q^T dS: both operands MN-major from shared memory
         mma_dkv = common.tiled_mma(self.dtype, NUM_MMA_WARPGROUPS, keys_dkv, b_major_mn=True, a_in_registers=False,
                                    warpgroups_along_n=self.dkv_split_keys, a_major_mn=True)
-        return mma_sdp, mma_dkv, dq_tiled_mma(self.dtype, m, d)
+        return mma_sdp, mma_dkv, dq_tiled_mma(self.dtype, m, d // self.dq_parts)
 
     # ------------------------------------------------------------------ MMA warpgroups
     @cute.jit
@@ -148,7 +162,10 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         tdKVrPdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sPdS)))
         tdKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sQ)))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sPdS))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
+        # K^T (head dim x keys) for each dQ part: head_dim / dq_parts of its rows
+        dq_rows = self.head_dim // self.dq_parts
+        tdQrKt = tuple(wg_dq.make_fragment_B(wg_dq.partition_B(
+            cute.local_tile(transpose_smem(sK), (dq_rows, self.tile_n), (p, 0)))) for p in range(self.dq_parts))
         tile_dkv = (self.head_dim, self.tile_n)
         acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_dkv), Float32)  # dK^T
         acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C(tile_dkv), Float32)  # dV^T
@@ -228,23 +245,36 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         cute.arch.fence_view_async_shared()  # P's and dS's generic-proxy writes, visible to wgmma
         cute.arch.barrier(barrier_id=int(Barrier.PDS), number_of_threads=self.num_mma_threads)
 
-        # dV^T += dO^T P, dQ = dS K (all the CTA's keys), dK^T += Q^T dS
+        # dV^T += dO^T P, dQ = dS K (all the CTA's keys; in dq_parts column parts), dK^T += Q^T dS
         common.wgmma(mma_dkv, acc_dV, tdVrdOt[None, None, None, do_stage], tdKVrPdS[None, None, None, P_STAGE],
                      zero_init=False, wait=-1)
-        acc_dQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-        common.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, DS_STAGE], tdQrKt, zero_init=True, wait=1)
+        dq_shape = thr_dq.partition_shape_C((self.tile_m, self.head_dim // self.dq_parts))
+        acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+        common.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, DS_STAGE], tdQrKt[0], zero_init=True, wait=1)
         common.release_stage(pipe_do, do_state)  # dO: read by dP and dV^T, both done
         common.wgmma(mma_dkv, acc_dK, tdKrQt[None, None, None, q_stage], tdKVrPdS[None, None, None, DS_STAGE],
                      zero_init=False, wait=1)
+        self._stage_dq(acc_dQ, tdQsdQ, wg)
+        for p in cutlass.range_constexpr(1, self.dq_parts):
+            # the next part's GEMM runs while the dQ writer reduces the last one
+            acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+            common.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, DS_STAGE], tdQrKt[p], zero_init=True, wait=1)
+            if const_expr(p == 1):
+                common.release_stage(pipe_q, q_state)  # Q: read by S and dK^T, both done
+            warpgroup.wait_group(0)
+            self._stage_dq(acc_dQ, tdQsdQ, wg)
 
-        # dQ -> this warpgroup's shared buffer, once the dQ writer has handed it back
+        if const_expr(self.dq_parts == 1):
+            warpgroup.wait_group(0)
+            common.release_stage(pipe_q, q_state)  # Q: read by S and dK^T, both done
+
+    @cute.jit
+    def _stage_dq(self, acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, wg: Int32):
+        """dQ (one part) -> this warpgroup's shared buffer, once the dQ writer has handed it back."""
         cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY_WG1) + wg, number_of_threads=WARPGROUP_THREADS + 32)
         cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
         cute.arch.fence_view_async_shared()  # visible to the bulk reduction (async proxy)
         cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL_WG1) + wg, number_of_threads=WARPGROUP_THREADS + 32)
-
-        warpgroup.wait_group(0)
-        common.release_stage(pipe_q, q_state)  # Q: read by S and dK^T, both done
 
     @cute.jit
     def _per_row(self, thr_sdp: cute.ThrMma, sRow: cute.Tensor, stage: Int32) -> cute.Tensor:
