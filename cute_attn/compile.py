@@ -265,13 +265,15 @@ def _fake_backward_tensors(dtype, head_dim_padded: int):
 
     sym = cute.sym_int
     batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, seqlen_q_pad, m_blocks = (sym() for _ in range(8))
+    heads_dkv = sym()  # the SM90 backward's dK, dV may hold a head per split of a K/V head's query heads
 
     def bshd(seqlen, nheads):
         stride = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
         return make_fake_tensor(dtype, (batch, seqlen, nheads, head_dim), stride=stride, assumed_align=16)
 
     q, o, do, dq = (bshd(seqlen_q, heads) for _ in range(4))
-    k, v, dk, dv = (bshd(seqlen_k, heads_kv) for _ in range(4))
+    k, v = (bshd(seqlen_k, heads_kv) for _ in range(2))
+    dk, dv = (bshd(seqlen_k, heads_dkv) for _ in range(2))
     f32 = cutlass.Float32
     lse = make_fake_tensor(f32, (batch, heads, seqlen_q), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     rows = [
@@ -375,8 +377,9 @@ def build_backward(key, keep_artifacts: bool = False):
                                                  tr.dq_warps_m, varlen=key.varlen)
         args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0), *_fake_row_kernel_args(key.varlen))
     elif isinstance(key, BackwardKey):
-        # the SM90 kernels also take the number of SMs (the size of a persistent grid)
-        sm90 = (cutlass.Int32(132),) if key.kernel == "sm90" else ()
+        # the SM90 kernels also take the number of SMs (the size of a persistent grid) and the
+        # query-head splits of a K/V head (GQA)
+        sm90 = (cutlass.Int32(132), cutlass.Int32(1)) if key.kernel == "sm90" else ()
         args = (t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["d"], t["dq_accum"], t["dk"], t["dv"], t["sem"],
                 cutlass.Float32(1.0), cutlass.Float32(1.0), *_fake_feature_args(key.features), *sm90, stream)
 

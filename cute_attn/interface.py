@@ -761,6 +761,26 @@ def _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, sof
         compile_mod.backward_cache.prefetch([pre, main], now_otherwise=False)
 
 
+def backward_head_splits(batch: int, heads: int, heads_kv: int, n_blocks: int, causal: bool, num_sms: int) -> int:
+    """In how many CTAs the SM90 backward splits the query heads of one K/V head (GQA): 1 keeps a
+    K/V head's query heads in one CTA, which sums their dK and dV in registers; ``group`` gives each
+    query head its own CTA, whose dK and dV the host then sums over the group.
+
+    One CTA per K/V block walks the Q blocks of all its query heads, so under GQA a causal K/V
+    block 0 walks group * n_blocks Q-block rows: with few (batch, K/V head) pairs such a CTA is as
+    long as the whole kernel's share per SM, and it starts late in its L2 section. Causal batches
+    split when that longest CTA is at least 3/4 of an SM's share (imbalance = 2 * SMs / (pairs *
+    (n_blocks + 1))) or the K/V blocks are many (n_blocks >= 32: long CTAs). Measured on H100
+    (2026-11-26, docs/performance.md, "GQA backward"): causal d128 G8 +31% at S 2048 and +32% at
+    8192, G4 +11% at 8192 but -4% at 2048 (imbalance 0.49), d64 G4 -10% at 2048; non-causal CTAs
+    are alike, and splitting them lost 1-10% (their dK, dV written per split and summed)."""
+    group = heads // heads_kv
+    if group == 1 or not causal:
+        return 1
+    imbalance = 2 * num_sms / max(batch * heads_kv * (n_blocks + 1), 1)
+    return group if imbalance >= 0.75 or n_blocks >= 32 else 1
+
+
 def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, max_seqlen_q: int = 0,
                        max_seqlen_k: int = 0, batch: int | None = None):
     """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
@@ -791,10 +811,21 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     kernels = cache.get(pre), cache.get(main), cache.get(post)
     scale, scale_log2 = opts.scale, opts.scale_log2
     scalars = opts.kernel_scalars(max_seqlen_k)
-    if main.kernel == "sm90":  # the SM90 kernels also take the number of SMs (a persistent grid's size)
+    sm90 = main.kernel == "sm90"
+    if sm90:  # the SM90 kernels also take the number of SMs (a persistent grid's size)
         scalars = (*scalars, plan.num_sms)
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
+        splits = 1
+        if sm90:
+            n_blocks = -(-max(max_seqlen_k, k.shape[1] if not varlen else 0) // chosen.tile_n)
+            # (a causal window's K/V blocks see alike numbers of Q blocks: counted as not causal)
+            splits = backward_head_splits(num_seqs, heads, k.shape[2], n_blocks,
+                                          opts.causal and not opts.features.local, plan.num_sms)
+        dk_out, dv_out = dk, dv
+        if splits > 1:  # per-split dK, dV (each K/V head's query heads in ``splits`` CTAs), summed below
+            dk_out, dv_out = (torch.empty((*t.shape[:-2], t.shape[-2] * splits, t.shape[-1]), dtype=t.dtype,
+                                          device=device) for t in (dk, dv))
         lse_log2 = torch.empty((q.shape[0], heads, rows_pad), **f32)
         delta = torch.empty((q.shape[0], heads, rows_pad), **f32)
         dq_accum = torch.empty((q.shape[0], heads, rows_pad, head_dim), **f32)  # zeroed by the preprocess
@@ -804,9 +835,12 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
             sem = torch.empty((1, 1, 1), dtype=torch.int32, device=device)
         with torch.cuda.device(device):
             kernels[0](out, dout, lse, lse_log2, delta, dq_accum, cu_seqlens_q, max_seqlen_q)
-            kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk, dv, sem, scale, scale_log2,
-                       cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, *scalars)
+            kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk_out, dv_out, sem, scale, scale_log2,
+                       cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, *scalars, *((splits,) if sm90 else ()))
             kernels[2](dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q)
+            if splits > 1:
+                for full, parts in ((dk, dk_out), (dv, dv_out)):
+                    torch.sum(parts.unflatten(-2, (full.shape[-2], splits)), dim=-2, out=full)
 
     return launch
 

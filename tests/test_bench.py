@@ -74,6 +74,20 @@ def test_report_prints_the_ceiling_column(bench, tmp_path, monkeypatch, capsys):
     assert (tmp_path / "bench.json").exists()
 
 
+def test_gqa_argument_and_title(bench, tmp_path, monkeypatch, capsys):
+    # --gqa G: K/V with heads / G heads; the report's title says so (FLOPs stay per query head)
+    assert bench._parser().parse_args([]).gqa == 1
+    args = bench._parser().parse_args(["--gqa", "4", "--modes", "bwd", "--out", str(tmp_path)])
+    assert args.gqa == 4 and args.modes == ["bwd"]
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "FakeGPU")
+    monkeypatch.setattr(bench, "_plot", lambda *a, **k: None)
+    row = {"mode": "bwd", "head_dim": 128, "causal": 1, "seqlen": 2048, "batch": 8, "heads": 16, "heads_kv": 4,
+           "cute_attn": 400.0, "FA4 (CuTe DSL)": 500.0}
+    bench._report([row], ["cute_attn"], ["FA4 (CuTe DSL)"], [], args)
+    out = capsys.readouterr().out
+    assert "GQA 4 query heads per K/V head" in out and "| 128 | 1 | 2048 | 400 | 500 | - | 0.80x |" in out
+
+
 def test_decode_arguments(bench):
     args = bench._parser().parse_args(["--decode"])
     assert args.decode and not args.decode_latency and not args.decode_sweep_only

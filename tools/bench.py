@@ -15,7 +15,8 @@
     python tools/bench.py --decode-latency                # wall time per decode call from Python (host overhead)
 
 Peers: torch SDPA with the flash (FlashAttention-2) and cuDNN backends, and FlashAttention-4
-(``flash_attn.cute``) when importable. Batch = tokens / seqlen, heads = 2048 / head_dim.
+(``flash_attn.cute``) when importable. Batch = tokens / seqlen, heads = 2048 / head_dim (``--gqa G``:
+K and V with heads / G heads, GQA as in Llama-style models).
 FLOPs = 4 * batch * heads * seqlen^2 * head_dim, halved when causal; backward counts 2.5x that,
 forward+backward 3.5x. Backward is timed as autograd.grad of an existing output (each
 implementation's own backward kernels, pre/postprocessing included).
@@ -76,7 +77,8 @@ def _peers():
     def sdpa_with(backend):
         def run(q, k, v, causal):
             with sdpa_kernel(backend):
-                return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+                return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                            enable_gqa=k.shape[2] != q.shape[2]).transpose(1, 2)
 
         return run
 
@@ -241,6 +243,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--gqa", type=int, default=1, metavar="G",
+                   help="query heads per K/V head (GQA; 1: MHA); FLOPs are counted over the query heads")
     p.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwdbwd"], default=["fwd"])
     p.add_argument("--sweep", nargs="*", default=[], help="cute_attn with other forward traits too: SM80 m128n64w4s2, SM90 m128n128s2 (o0: no intra-warpgroup overlap, p0: no ping-pong)")
     p.add_argument("--bwd-sweep", nargs="*", default=[], help="extra cute_attn backward traits: SM80 m64n128w8a2b4c2, SM90 m64n128s2, SM90 large head dims m64n48s2d1t (d1: dO stages, t: transposed dK/dV, q2: dQ in two column parts)")
@@ -306,10 +310,13 @@ def main(argv=None):
             for causal in args.causal:
                 for s in args.seqlens:
                     batch, heads = max(args.tokens // s, 1), 2048 // d
-                    q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=dtype) for _ in range(3))
+                    heads_kv = max(heads // args.gqa, 1)  # GQA: query heads share K/V heads
+                    q = torch.randn(batch, s, heads, d, device="cuda", dtype=dtype)
+                    k, v = (torch.randn(batch, s, heads_kv, d, device="cuda", dtype=dtype) for _ in range(2))
                     flops = 4 * batch * heads * s * s * d / (2 if causal else 1)
                     flops *= {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
-                    row = {"mode": mode, "head_dim": d, "causal": causal, "seqlen": s, "batch": batch, "heads": heads}
+                    row = {"mode": mode, "head_dim": d, "causal": causal, "seqlen": s, "batch": batch, "heads": heads,
+                           "heads_kv": heads_kv}
                     times = _time_interleaved(impls, q, k, v, bool(causal), mode, args.rounds,
                                               f"d={d} causal={causal} S={s}", args.sustained)
                     for name, t in times.items():
@@ -436,6 +443,11 @@ def feature_rows(args):
         json.dump({"gpu": gpu, "date": stamp, "rows": rows}, f, indent=1)
 
 
+def _gqa_note(args) -> str:
+    g = getattr(args, "gqa", 1)
+    return f", GQA {g} query heads per K/V head" if g > 1 else ""
+
+
 def _report(rows, ours, peers, extra, args):
     gpu = torch.cuda.get_device_name()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -455,7 +467,8 @@ def _report(rows, ours, peers, extra, args):
         cols = [c for c in ours + peers + extra if any(c in r for r in sel)]
         title = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}[mode]
         print(f"\n{gpu}, {stamp}, torch {torch.__version__}, nvidia-cutlass-dsl {dsl}, {args.dtype}, "
-              f"{args.tokens} tokens, {title} TFLOP/s\n")
+              f"{args.tokens} tokens{_gqa_note(args)}, "
+              f"{title} TFLOP/s\n")
         tail = " | cute_attn / ceiling |" if extra else " |"
         print("| d | causal | S | " + " | ".join(cols) + " | cute_attn / FA2 | cute_attn / best peer" + tail)
         print("|---|---|---|" + "---|" * (len(cols) + 2 + bool(extra)))

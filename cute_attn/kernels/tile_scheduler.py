@@ -58,7 +58,8 @@ BACKWARD_BYTES_PER_Q_ELEMENT = 8
 
 def backward_heads_per_section(seqlen_q: Int32, qheads_per_kvhead: Int32, head_dim: int):
     """(batch, K/V head) pairs per section of the backward's causal order (at least 1): as many as
-    fit their query heads' Q, dO and dQ accumulator in ``L2_BYTES_FOR_KV``."""
+    fit their query heads' Q, dO and dQ accumulator in ``L2_BYTES_FOR_KV``. (With the query heads
+    split over CTAs, a pair is a (batch, K/V head split) and ``qheads_per_kvhead`` its share.)"""
     rows = L2_BYTES_FOR_KV // (BACKWARD_BYTES_PER_Q_ELEMENT * head_dim) // qheads_per_kvhead
     return cutlass.max(rows // cutlass.max(seqlen_q, 1), 1)
 

@@ -6,7 +6,9 @@ The preprocess (D = rowsum(dO * O), LSE in log2, the dQ accumulator zeroed) is t
 Grid: one CTA per (K/V block of ``tile_n`` keys, K/V head, batch). The CTA keeps K and V in shared
 memory and dK, dV in registers, and walks every Q block of every query head that reads its K/V
 head (GQA/MQA: dK and dV are summed in registers), from the first Q block that sees any of its
-keys (causal) to the last. With ``longest_first`` (traits: d128 plain causal) the CTAs run K/V block 0
+keys (causal) to the last. With ``head_splits`` > 1 (a run-time value: causal GQA where one CTA
+per K/V block would run long and unbalanced, ``interface.backward_head_splits``) the grid's y is
+(K/V head, split) and each CTA walks its share of the query heads, writing dK, dV per split. With ``longest_first`` (traits: d128 plain causal) the CTAs run K/V block 0
 of each head of an L2-sized section first, then block 1, ... (``tile_scheduler.section_coords``).
 Per Q block, recomputing attention from the saved LSE:
 
@@ -258,6 +260,7 @@ class FlashAttentionBackwardSm90:
         window_right: Int32,
         softcap_scale: Float32,  # softcap: softmax_scale / softcap
         num_sms: Int32,  # CTAs of a persistent grid
+        head_splits: Int32,  # > 1: the query heads of a K/V head in this many CTAs (mdK, mdV per split)
         stream: cuda.CUstream,
     ):
         varlen = const_expr(self.features.varlen)
@@ -299,15 +302,15 @@ class FlashAttentionBackwardSm90:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]  # (P,) dS
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d // self.dq_parts], 1024]
 
-        grid = (num_n_blocks, cute.size(mK.shape[2]), cute.size(num_batches))
+        grid = (num_n_blocks, cute.size(mK.shape[2]) * head_splits, cute.size(num_batches))
         if const_expr(self.persistent):
-            grid = (cutlass.min(num_n_blocks * mK.shape[2] * num_batches, num_sms), 1, 1)
+            grid = (cutlass.min(num_n_blocks * mK.shape[2] * head_splits * num_batches, num_sms), 1, 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE_log2, mD, mdQ_accum, mSemaphore,
             softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left,
             window_right, softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
             sQ_layout, sdO_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
-            num_n_blocks, num_batches,
+            num_n_blocks, num_batches, head_splits,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -355,6 +358,7 @@ class FlashAttentionBackwardSm90:
         SharedStorage: cutlass.Constexpr,
         num_n_blocks: Int32,  # the grid's (K/V blocks, K/V heads, batch), for a persistent grid
         num_batches: Int32,
+        head_splits: Int32,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -401,12 +405,13 @@ class FlashAttentionBackwardSm90:
             window_left, window_right, softcap_scale,
         )
         if const_expr(self.persistent):
-            grid_shape = (num_n_blocks, mK.shape[2], num_batches)
-            work_of = partial(self._work, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right)
+            grid_shape = (num_n_blocks, mK.shape[2] * head_splits, num_batches)
+            work_of = partial(self._work, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
+                              head_splits=head_splits)
             self._persistent_roles(*role_args, work_of, grid_shape)
         else:
             work = self._work(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
-                              cute.arch.block_idx(), cute.arch.grid_dim())
+                              cute.arch.block_idx(), cute.arch.grid_dim(), head_splits=head_splits)
             roles = partial(self._roles, *role_args, work)
             if const_expr(self.features.varlen):
                 # the grid covers the longest sequence: a K/V block past this one's keys does nothing
@@ -500,27 +505,32 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def _work(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
-              cta_coords, grid_shape):
+              cta_coords, grid_shape, head_splits: Int32):
         """The K/V block, K/V head and sequence of the CTA at ``cta_coords`` of a (K/V blocks,
-        K/V heads, batch) grid, and the Q blocks it visits: (n_block, head_kv, seq, first query
-        head, query heads per K/V head, first Q block, Q blocks per head). Every role walks the
-        same (head, Q block) sequence."""
-        n_block, head_kv, batch = cta_coords
+        K/V heads x head_splits, batch) grid, and the Q blocks it visits: (n_block, head of dK and
+        dV, seq, first query head, query heads, first Q block, Q blocks per head, K/V head). Every role walks
+        the same (head, Q block) sequence. ``head_splits`` > 1 (GQA): split s of K/V head h takes
+        the s-th share of h's query heads, and its dK, dV go to head h * head_splits + s of
+        per-split dK, dV tensors, which the host sums."""
+        n_block, head_dkv, batch = cta_coords
+        group_all = mQ.shape[2] // mK.shape[2]  # query heads per K/V head
+        group = group_all // head_splits  # ... per CTA
         if const_expr(self.longest_first):
-            # block 0 of every (batch, K/V head) pair of an L2-sized section, then block 1, ...
-            num_n, heads_kv, batches = grid_shape
-            cta = n_block + num_n * (head_kv + heads_kv * batch)
-            section = tile_scheduler.backward_heads_per_section(mQ.shape[0], mQ.shape[2] // mK.shape[2], self.head_dim)
-            n_block, head_kv, batch = tile_scheduler.section_coords(cta, num_n, heads_kv, batches, section)
+            # block 0 of every (batch, K/V head split) pair of an L2-sized section, then block 1, ...
+            num_n, heads_dkv, batches = grid_shape
+            cta = n_block + num_n * (head_dkv + heads_dkv * batch)
+            section = tile_scheduler.backward_heads_per_section(mQ.shape[0], group, self.head_dim)
+            n_block, head_dkv, batch = tile_scheduler.section_coords(cta, num_n, heads_dkv, batches, section)
         seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         if const_expr(self.causal and self.deterministic):
             # the last K/V blocks first: the order their dQ shares are added in (dq_semaphore_turn)
             n_block = kv_block_of_cta(n_block, self.tile_n, seq.seqlen_k, reverse=True)
-        group = mQ.shape[2] // mK.shape[2]  # query heads per K/V head
+        head_kv = head_dkv // head_splits
+        head0 = head_kv * group_all + (head_dkv - head_kv * head_splits) * group
         m_min, m_max, _, _ = block_info.backward_walk(n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                                                       self.causal, window_left, window_right)
         num_m = cutlass.max(m_max - m_min, 0)
-        return n_block, head_kv, seq, head_kv * group, group, m_min, num_m
+        return n_block, head_dkv, seq, head0, group, m_min, num_m, head_kv
 
     # ------------------------------------------------------------------ producer warp
     @cute.jit
@@ -530,7 +540,7 @@ class FlashAttentionBackwardSm90:
         Persistent (``states``: the pipeline states, returned advanced): K and V after the first Q
         block's loads, which may then arrive while the previous K/V block's dK and dV still occupy
         K's and V's buffers."""
-        n_block, head_kv, seq, head0, group, m_min, num_m = work
+        n_block, _, seq, head0, group, m_min, num_m, head_kv = work
         b = seq.tensor_batch
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
         kv_state, q_state, do_state = self._pipeline_states(pipeline.PipelineUserType.Producer) \
@@ -596,7 +606,7 @@ class FlashAttentionBackwardSm90:
         chunk's buffer is handed back to its warpgroup once the previous reduction has read it.
         ``last``: this CTA's last K/V block (wait for the reductions to read shared memory before
         the CTA ends)."""
-        n_block, _, seq, head0, group, m_min, num_m = work
+        n_block, _, seq, head0, group, m_min, num_m, _ = work
         lane = cute.arch.lane_idx()
         part_elems = self.tile_m * self.head_dim // NUM_MMA_WARPGROUPS // self.dq_parts
         for g in cutlass.range(group, unroll=1):
@@ -649,7 +659,7 @@ class FlashAttentionBackwardSm90:
              softcap_scale, work, states=None):
         """One K/V block. Persistent (``states``: the pipeline states, returned advanced): K's and
         V's stage is released once dK and dV have left their buffers."""
-        n_block, head_kv, seq, head0, group, m_min, num_m = work
+        n_block, head_dkv, seq, head0, group, m_min, num_m, _ = work
         tidx, wg, (wg_sdp, wg_dkv, wg_dq), (thr_sdp, thr_dkv, thr_dq) = mma_thread_slices(mma_sdp, mma_dkv, mma_dq)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
@@ -689,7 +699,7 @@ class FlashAttentionBackwardSm90:
                                      states)
         # (a K/V block that no query sees still stores its dK = dV = 0)
         self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
-                       n_block, head_kv, seq)
+                       n_block, head_dkv, seq)
         if const_expr(self.persistent):
             kv_state, q_state, do_state = states
             # thread 0 has waited for the dK/dV stores to read K's and V's buffers
@@ -817,7 +827,7 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def _epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
-                  n_block, head_kv, seq: SeqlenInfo):
+                  n_block, head_dkv, seq: SeqlenInfo):
         """dK * softmax_scale; dK and dV -> shared memory (K's and V's buffers, stmatrix; transposed
         accumulators through stmatrix.trans) -> global (TMA stores, which clip rows past seqlen_k
         and columns past the actual head dim; varlen: through the ragged view, which ends at the
@@ -838,7 +848,7 @@ class FlashAttentionBackwardSm90:
             for atom, mX, sX in ((atom_dK, mdK, sK), (atom_dV, mdV, sV)):
                 if const_expr(self.features.varlen):
                     mX = ragged_rows(mX, seq.offset_k, seq.seqlen_k)
-                gX = cute.local_tile(mX[None, None, head_kv, seq.tensor_batch], tile, (n_block, 0))
+                gX = cute.local_tile(mX[None, None, head_dkv, seq.tensor_batch], tile, (n_block, 0))
                 tXsX, tXgX = common.tma_tiles(atom, gX, sX)
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()

@@ -150,7 +150,7 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
     def _mma(self, mdK, mdV, mAlibiSlopes, sQ, sK, sV, sdO, sPdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
              mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
              softcap_scale, work):
-        n_block, head_kv, seq, head0, group, m_min, num_m = work
+        n_block, head_dkv, seq, head0, group, m_min, num_m, _ = work
         tidx, wg, (wg_sdp, wg_dkv, wg_dq), (thr_sdp, thr_dkv, thr_dq) = mma_thread_slices(mma_sdp, mma_dkv, mma_dq)
         tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
         tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
@@ -191,7 +191,7 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2)
         # (a K/V block that no query sees still stores its dK = dV = 0)
         self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
-                       n_block, head_kv, seq)
+                       n_block, head_dkv, seq)
 
     @cute.jit
     def _backward_block(self, ctx, q_state, do_state, m_block: Int32, alibi_slope):
