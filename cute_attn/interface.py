@@ -817,8 +817,10 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         splits = 1
-        if sm90:
-            n_blocks = -(-max(max_seqlen_k, k.shape[1] if not varlen else 0) // chosen.tile_n)
+        if sm90 and not varlen:
+            # (varlen batches keep one CTA per K/V head: with seqused_k the kernel leaves rows of
+            # dK, dV unwritten, which per-split buffers would have to zero; not measured)
+            n_blocks = -(-k.shape[1] // chosen.tile_n)
             # (a causal window's K/V blocks see alike numbers of Q blocks: counted as not causal)
             splits = backward_head_splits(num_seqs, heads, k.shape[2], n_blocks,
                                           opts.causal and not opts.features.local, plan.num_sms)
