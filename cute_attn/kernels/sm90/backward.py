@@ -8,8 +8,9 @@ memory and dK, dV in registers, and walks every Q block of every query head that
 head (GQA/MQA: dK and dV are summed in registers), from the first Q block that sees any of its
 keys (causal) to the last. With ``head_splits`` > 1 (a run-time value: causal GQA where one CTA
 per K/V block would run long and unbalanced, ``interface.backward_head_splits``) the grid's y is
-(K/V head, split) and each CTA walks its share of the query heads, writing dK, dV per split. With ``longest_first`` (traits: d128 plain causal) the CTAs run K/V block 0
-of each head of an L2-sized section first, then block 1, ... (``tile_scheduler.section_coords``).
+(K/V head, split) and each CTA walks its share of the query heads, writing dK, dV per split.
+With ``longest_first`` (traits: d128 plain causal) the CTAs run K/V block 0 of each head of an
+L2-sized section first, then block 1, ... (``tile_scheduler.section_coords``).
 Per Q block, recomputing attention from the saved LSE:
 
     S^T  = K Q^T,  P^T = exp2(S^T * scale_log2 - LSE_log2)    (masked on the diagonal / seqlen_k end)
@@ -508,8 +509,8 @@ class FlashAttentionBackwardSm90:
               cta_coords, grid_shape, head_splits: Int32):
         """The K/V block, K/V head and sequence of the CTA at ``cta_coords`` of a (K/V blocks,
         K/V heads x head_splits, batch) grid, and the Q blocks it visits: (n_block, head of dK and
-        dV, seq, first query head, query heads, first Q block, Q blocks per head, K/V head). Every role walks
-        the same (head, Q block) sequence. ``head_splits`` > 1 (GQA): split s of K/V head h takes
+        dV, seq, first query head, query heads, first Q block, Q blocks per head, K/V head). Every
+        role walks the same (head, Q block) sequence. ``head_splits`` > 1 (GQA): split s of K/V head h takes
         the s-th share of h's query heads, and its dK, dV go to head h * head_splits + s of
         per-split dK, dV tensors, which the host sums."""
         n_block, head_dkv, batch = cta_coords
