@@ -84,6 +84,43 @@ def test_a_cache_hit_imports_no_dsl(tmp_path):
     assert _fresh_process_get(tmp_path) == ["0", "1", "Function", "False"]
 
 
+def _spy_on_dsl_compile(monkeypatch) -> list[dict]:
+    """The keyword arguments of every cute.compile from here on."""
+    import cutlass.cute as cute
+
+    calls, compile_ = [], cute.compile
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return compile_(*args, **kwargs)
+
+    monkeypatch.setattr(cute, "compile", spy)
+    return calls
+
+
+def test_a_cold_build_is_exported_and_loaded_back(tmp_path, monkeypatch):
+    """With a disk directory a kernel is compiled for export only (no in-process JIT engine for its
+    host code) and what the caller gets is its cache entry, loaded as a warm process loads it."""
+    calls = _spy_on_dsl_compile(monkeypatch)
+    cache = KernelCache(build, str(tmp_path))
+    fn = cache.get(SMALL)
+    assert (cache.builds, cache.loads) == (1, 0) and [c.get("no_jit_engine") for c in calls] == [True]
+    if HAS_CC:
+        assert type(fn).__name__ == "Function", "the entry's shared library, through TVM-FFI"
+    # no disk directory: compiled with the engine, and that compiled function is what get returns
+    calls.clear()
+    memory = KernelCache(build, None)
+    assert memory.get(SMALL) is not None and [c.get("no_jit_engine") for c in calls] == [None]
+
+
+def test_an_entry_that_cannot_be_written_compiles_with_the_engine(tmp_path, monkeypatch):
+    calls = _spy_on_dsl_compile(monkeypatch)
+    monkeypatch.setattr(KernelCache, "_store", lambda self, key, fn: False)
+    cache = KernelCache(build, str(tmp_path))
+    assert cache.get(SMALL) is not None
+    assert [c.get("no_jit_engine") for c in calls] == [True, None] and cache.builds == 2
+
+
 def test_processes_filling_one_cache_compile_once(tmp_path):
     script = textwrap.dedent(f"""
         from cute_attn.compile import KernelCache, build, forward_key
