@@ -761,24 +761,34 @@ def _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, sof
         compile_mod.backward_cache.prefetch([pre, main], now_otherwise=False)
 
 
-def backward_head_splits(batch: int, heads: int, heads_kv: int, n_blocks: int, causal: bool, num_sms: int) -> int:
+def backward_head_splits(num_seqs: int, heads: int, heads_kv: int, kv_blocks: int, max_kv_blocks: int, causal: bool,
+                         num_sms: int) -> int:
     """In how many CTAs the SM90 backward splits the query heads of one K/V head (GQA): 1 keeps a
-    K/V head's query heads in one CTA, which sums their dK and dV in registers; ``group`` gives each
-    query head its own CTA, whose dK and dV the host then sums over the group.
+    K/V head's query heads in one CTA, which sums their dK and dV in registers; ``s`` > 1 gives
+    each of s CTAs group / s query heads, whose dK and dV the host then sums over the splits.
 
-    One CTA per K/V block walks the Q blocks of all its query heads, so under GQA a causal K/V
-    block 0 walks group * n_blocks Q-block rows: with few (batch, K/V head) pairs such a CTA is as
-    long as the whole kernel's share per SM, and it starts late in its L2 section. Causal batches
-    split when that longest CTA is at least 3/4 of an SM's share (imbalance = 2 * SMs / (pairs *
-    (n_blocks + 1))) or the K/V blocks are many (n_blocks >= 32: long CTAs). Measured on H100
-    (2026-11-26, docs/performance.md, "GQA backward"): causal d128 G8 +31% at S 2048 and +32% at
-    8192, G4 +11% at 8192 but -4% at 2048 (imbalance 0.49), d64 G4 -10% at 2048; non-causal CTAs
-    are alike, and splitting them lost 1-10% (their dK, dV written per split and summed)."""
+    One CTA per K/V block walks the Q blocks of all its query heads, so under causal GQA a
+    sequence's K/V block 0 walks group * n_blocks Q-block rows, against an SM's share of the whole
+    grid's rows of about group * heads_kv * (kv_blocks + num_seqs) / (2 * SMs), where
+    ``kv_blocks`` counts the K/V blocks of every sequence (batch * n_blocks dense; varlen: the
+    total keys over the block size, known without reading cu_seqlens) and ``max_kv_blocks`` those
+    of the longest. Their ratio for the longest sequence, imbalance = 2 * SMs / (heads_kv *
+    (kv_blocks + num_seqs)), taken over the splits is best at about 1/4: s is the power of two
+    nearest 4 * imbalance (at least 2 from 64 K/V blocks: long CTAs), the largest divisor of the
+    group not above it. Measured on H100 (2026-11-26, docs/performance.md, "GQA backward"),
+    causal, 16k tokens, dense and varlen (random lengths 128-4096), splits 1/2/4/8: d128 G8
+    (imbalance ~0.95) best at 4 everywhere (varlen +31-37% over 1, dense +6% over 8), d128 G4 and
+    d64 G8 (~0.5) at 2 (+2-6%), d64 G4 (~0.25) at 1 (2 lost up to 9% at S 2048, gained 2.5% at
+    S 8192). Non-causal CTAs are alike, and splitting them lost 1-10% (their dK, dV written per
+    split and summed): never split."""
     group = heads // heads_kv
     if group == 1 or not causal:
         return 1
-    imbalance = 2 * num_sms / max(batch * heads_kv * (n_blocks + 1), 1)
-    return group if imbalance >= 0.75 or n_blocks >= 32 else 1
+    imbalance = 2 * num_sms / max(heads_kv * (kv_blocks + num_seqs), 1)
+    target = 1 << max(0, round(math.log2(max(4 * imbalance, 1e-9))))
+    if max_kv_blocks >= 64:
+        target = max(target, 2)
+    return max(s for s in range(1, group + 1) if group % s == 0 and s <= target)
 
 
 def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, max_seqlen_q: int = 0,
@@ -817,13 +827,15 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         splits = 1
-        if sm90 and not varlen:
-            # (varlen batches keep one CTA per K/V head: with seqused_k the kernel leaves rows of
-            # dK, dV unwritten, which per-split buffers would have to zero; not measured)
-            n_blocks = -(-k.shape[1] // chosen.tile_n)
+        if sm90 and seqused_k is None:
+            # (with seqused_k the kernel leaves the rows of unused keys in dK, dV unwritten, which
+            # per-split buffers would have to zero: such batches keep one CTA per K/V head.) Varlen:
+            # the longest sequence's K/V blocks and the number of sequences stand for the batch's
+            total_keys = k.shape[1] * (1 if varlen else k.shape[0])
             # (a causal window's K/V blocks see alike numbers of Q blocks: counted as not causal)
-            splits = backward_head_splits(num_seqs, heads, k.shape[2], n_blocks,
-                                          opts.causal and not opts.features.local, plan.num_sms)
+            splits = backward_head_splits(num_seqs, heads, k.shape[2], -(-total_keys // chosen.tile_n),
+                                          -(-max_seqlen_k // chosen.tile_n), opts.causal and not opts.features.local,
+                                          plan.num_sms)
         dk_out, dv_out = dk, dv
         if splits > 1:  # per-split dK, dV (each K/V head's query heads in ``splits`` CTAs), summed below
             dk_out, dv_out = (torch.empty((*t.shape[:-2], t.shape[-2] * splits, t.shape[-1]), dtype=t.dtype,

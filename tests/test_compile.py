@@ -451,15 +451,22 @@ def test_cubin_resources_reads_registers_and_frame():
 
 
 def test_gqa_backward_head_splits_follow_the_measured_rule():
-    # causal GQA splits a K/V head's query heads over CTAs where one CTA per K/V block would run
-    # long and unbalanced (H100, 2026-11-26: d128 G8 S2048/8192 +31/+32%, G4 S8192 +11%); not
-    # where the blocks are few and the pairs many (G4 S2048 measured -4%), never non-causal or MHA
+    # causal GQA splits a K/V head's query heads over CTAs so that the longest sequence's K/V
+    # block 0 walks about a quarter of an SM's share (H100, 2026-11-26, splits 1/2/4/8 timed on
+    # dense and varlen batches of 16k tokens); never non-causal or MHA
     from cute_attn.interface import backward_head_splits
 
-    assert backward_head_splits(8, 16, 2, 16, True, 132) == 8  # d128 G8 S2048: imbalance 0.97
-    assert backward_head_splits(2, 16, 2, 64, True, 132) == 8  # d128 G8 S8192
-    assert backward_head_splits(2, 16, 4, 64, True, 132) == 4  # d128 G4 S8192: many blocks
-    assert backward_head_splits(8, 16, 4, 16, True, 132) == 1  # d128 G4 S2048: imbalance 0.49
-    assert backward_head_splits(8, 32, 8, 16, True, 132) == 1  # d64 G4 S2048
-    assert backward_head_splits(2, 16, 2, 64, False, 132) == 1  # non-causal: CTAs alike
-    assert backward_head_splits(2, 16, 16, 64, True, 132) == 1  # MHA: nothing to split
+    # (num_seqs, heads, heads_kv, K/V blocks of all sequences, of the longest, causal, SMs)
+    assert backward_head_splits(8, 16, 2, 128, 16, True, 132) == 4  # d128 G8 8 x 2048: imbalance 0.97
+    assert backward_head_splits(2, 16, 2, 128, 64, True, 132) == 4  # d128 G8 2 x 8192
+    assert backward_head_splits(8, 16, 2, 128, 30, True, 132) == 4  # d128 G8 varlen, 8 sequences
+    assert backward_head_splits(8, 16, 4, 128, 16, True, 132) == 2  # d128 G4 8 x 2048: 0.49
+    assert backward_head_splits(2, 16, 4, 128, 64, True, 132) == 2  # d128 G4 2 x 8192
+    assert backward_head_splits(8, 32, 4, 128, 16, True, 132) == 2  # d64 G8 8 x 2048
+    assert backward_head_splits(8, 32, 8, 128, 16, True, 132) == 1  # d64 G4 8 x 2048: 0.24
+    assert backward_head_splits(8, 32, 8, 128, 30, True, 132) == 1  # d64 G4 varlen
+    assert backward_head_splits(2, 32, 8, 128, 64, True, 132) == 2  # d64 G4 2 x 8192: long CTAs
+    assert backward_head_splits(1, 16, 1, 64, 64, True, 132) == 16  # MQA, one sequence: every head
+    assert backward_head_splits(8, 12, 2, 128, 16, True, 132) == 3  # group 6: a divisor of it
+    assert backward_head_splits(2, 16, 2, 128, 64, False, 132) == 1  # non-causal: CTAs alike
+    assert backward_head_splits(2, 16, 16, 128, 64, True, 132) == 1  # MHA: nothing to split

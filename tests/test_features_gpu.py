@@ -192,6 +192,20 @@ def test_varlen_many_sequences(causal, num_seqs):
     check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"{num_seqs} sequences causal={causal}")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_gqa_backward_head_splits(head_dim, monkeypatch):
+    """Causal varlen GQA: the SM90 backward's query heads of a K/V head split over CTAs (per-split
+    dK, dV summed by the host; interface.backward_head_splits) and kept in one CTA give gradients
+    within the same criterion, sequences of lengths 0 ... 1000 and seqlen_q != seqlen_k among them."""
+    from cute_attn import interface
+
+    for splits in ("group", 1):
+        monkeypatch.setattr(interface, "backward_head_splits",
+                            lambda batch, heads, heads_kv, *rest: heads // heads_kv if splits == "group" else 1)
+        q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 8, 2, head_dim, torch.bfloat16)
+        check_varlen(q, k, v, cu_q, cu_k, True, {}, f"varlen GQA d={head_dim} splits={splits}")
+
+
 def test_varlen_noncausal_d64_backward():
     """d64 non-causal varlen (whose dense SM90 backward runs a persistent grid, varlen not): K/V
     blocks past a sequence's keys (the key-less one), dK = dV = 0 for those no query sees (the

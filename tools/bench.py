@@ -365,7 +365,9 @@ def feature_rows(args):
                             lengths.append(min(rng.randint(*args.varlen_lengths), args.tokens - sum(lengths)))
                         cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
                         mx = max(lengths)
-                        q, k, v = (torch.randn(sum(lengths), heads, d, device="cuda", dtype=dtype) for _ in range(3))
+                        heads_kv = max(heads // args.gqa, 1)  # GQA: query heads share K/V heads
+                        q = torch.randn(sum(lengths), heads, d, device="cuda", dtype=dtype)
+                        k, v = (torch.randn(sum(lengths), heads_kv, d, device="cuda", dtype=dtype) for _ in range(2))
                         lo, hi = args.varlen_lengths
                         flops_pairs, feature = _visible_pairs(lengths, bool(causal)), f"varlen {lo}-{hi}"
                         impls["cute_attn varlen"] = lambda q, k, v, c: cute_attn.flash_attn_varlen_func(
@@ -375,11 +377,11 @@ def feature_rows(args):
                         mean = min(max(2 ** round(math.log2(args.tokens / len(lengths))), 128), args.tokens)
                         dense_pairs = _visible_pairs([mean] * (args.tokens // mean), bool(causal))
                         impls["cute_attn dense (equal lengths)"] = lambda q, k, v, c: cute_attn.flash_attn_func(
-                            *(t.view(-1, mean, heads, d) for t in (q, k, v)), causal=c).view(q.shape)
+                            *(t.view(-1, mean, t.shape[1], d) for t in (q, k, v)), causal=c).view(q.shape)
                         if fa4_varlen is not None:
                             impls["FA4 varlen"] = lambda q, k, v, c: first(fa4_varlen(
                                 q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=c))
-                        if not args.no_peers:
+                        if not args.no_peers and heads_kv == heads:  # (torch's varlen_attn: no GQA)
                             try:
                                 from torch.nn.attention.varlen import varlen_attn
 
