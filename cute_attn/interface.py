@@ -827,10 +827,8 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         splits = 1
-        if sm90 and seqused_k is None:
-            # (with seqused_k the kernel leaves the rows of unused keys in dK, dV unwritten, which
-            # per-split buffers would have to zero: such batches keep one CTA per K/V head.) Varlen:
-            # the longest sequence's K/V blocks and the number of sequences stand for the batch's
+        if sm90:
+            # (varlen: the keys of all sequences and the longest one's stand for the batch's)
             total_keys = k.shape[1] * (1 if varlen else k.shape[0])
             # (a causal window's K/V blocks see alike numbers of Q blocks: counted as not causal)
             splits = backward_head_splits(num_seqs, heads, k.shape[2], -(-total_keys // chosen.tile_n),
@@ -838,8 +836,10 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
                                           plan.num_sms)
         dk_out, dv_out = dk, dv
         if splits > 1:  # per-split dK, dV (each K/V head's query heads in ``splits`` CTAs), summed below
-            dk_out, dv_out = (torch.empty((*t.shape[:-2], t.shape[-2] * splits, t.shape[-1]), dtype=t.dtype,
-                                          device=device) for t in (dk, dv))
+            # (zeroed with seqused_k: the kernel leaves the rows of unused keys unwritten)
+            alloc = torch.empty if seqused_k is None else torch.zeros
+            dk_out, dv_out = (alloc((*t.shape[:-2], t.shape[-2] * splits, t.shape[-1]), dtype=t.dtype, device=device)
+                              for t in (dk, dv))
         lse_log2 = torch.empty((q.shape[0], heads, rows_pad), **f32)
         delta = torch.empty((q.shape[0], heads, rows_pad), **f32)
         dq_accum = torch.empty((q.shape[0], heads, rows_pad, head_dim), **f32)  # zeroed by the preprocess
