@@ -244,7 +244,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--gqa", type=int, default=1, metavar="G",
-                   help="query heads per K/V head (GQA; 1: MHA); FLOPs are counted over the query heads")
+                   help="query heads per K/V head (GQA; 1: MHA) in the dense and --varlen tables; FLOPs are counted "
+                        "over the query heads")
     p.add_argument("--modes", nargs="+", choices=["fwd", "bwd", "fwdbwd"], default=["fwd"])
     p.add_argument("--sweep", nargs="*", default=[], help="cute_attn with other forward traits too: SM80 m128n64w4s2, SM90 m128n128s2 (o0: no intra-warpgroup overlap, p0: no ping-pong)")
     p.add_argument("--bwd-sweep", nargs="*", default=[], help="extra cute_attn backward traits: SM80 m64n128w8a2b4c2, SM90 m64n128s2, SM90 large head dims m64n48s2d1t (d1: dO stages, t: transposed dK/dV, q2: dQ in two column parts)")
