@@ -380,9 +380,15 @@ def build_backward(key, keep_artifacts: bool = False):
                                                  tr.dq_warps_m, varlen=key.varlen)
         args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0), *_fake_row_kernel_args(key.varlen))
     elif isinstance(key, BackwardKey):
-        # the SM90 kernels also take the number of SMs (the size of a persistent grid) and the
-        # query-head splits of a K/V head (GQA)
-        sm90 = (cutlass.Int32(132), cutlass.Int32(1)) if key.kernel == "sm90" else ()
+        # the SM90 kernels also take the number of SMs (the size of a persistent grid), the
+        # query-head splits of a K/V head (GQA) and (varlen, not causal) the sequences' order,
+        # longest first (interface._longest_first)
+        order = None
+        if key.features.varlen and not key.causal:
+            from cutlass.cute.runtime import make_fake_tensor
+
+            order = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+        sm90 = (cutlass.Int32(132), cutlass.Int32(1), order) if key.kernel == "sm90" else ()
         args = (t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["d"], t["dq_accum"], t["dk"], t["dv"], t["sem"],
                 cutlass.Float32(1.0), cutlass.Float32(1.0), *_fake_feature_args(key.features), *sm90, stream)
 

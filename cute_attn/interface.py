@@ -791,6 +791,15 @@ def backward_head_splits(num_seqs: int, heads: int, heads_kv: int, kv_blocks: in
     return max(s for s in range(1, group + 1) if group % s == 0 and s <= target)
 
 
+def _longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The sequences of a varlen batch by length, longest first (int32, on the device: no host
+    sync). The SM90 backward of a non-causal varlen batch runs its grid's batch index b on sequence
+    order[b]: its CTAs walk all of their sequence's Q blocks, so the hardware, which starts CTAs in
+    grid order, then starts the longest first and ends on short ones (H100, 2026-11-26: +1-8%;
+    causal batches, whose CTAs of one sequence differ, measured -3..+3% and keep their order)."""
+    return torch.argsort(cu_seqlens.diff(), descending=True, stable=True).to(torch.int32)
+
+
 def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, max_seqlen_q: int = 0,
                        max_seqlen_k: int = 0, batch: int | None = None):
     """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
@@ -850,7 +859,8 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
         with torch.cuda.device(device):
             kernels[0](out, dout, lse, lse_log2, delta, dq_accum, cu_seqlens_q, max_seqlen_q)
             kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk_out, dv_out, sem, scale, scale_log2,
-                       cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, *scalars, *((splits,) if sm90 else ()))
+                       cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, *scalars,
+                       *((splits, _longest_first(cu_seqlens_q) if varlen and not opts.causal else None) if sm90 else ()))
             kernels[2](dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q)
             if splits > 1:
                 for full, parts in ((dk, dk_out), (dv, dv_out)):

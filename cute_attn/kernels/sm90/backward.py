@@ -262,6 +262,7 @@ class FlashAttentionBackwardSm90:
         softcap_scale: Float32,  # softcap: softmax_scale / softcap
         num_sms: Int32,  # CTAs of a persistent grid
         head_splits: Int32,  # > 1: the query heads of a K/V head in this many CTAs (mdK, mdV per split)
+        mSeqOrder: cute.Tensor | None,  # varlen, not causal: (batch,) int32, the sequences longest first
         stream: cuda.CUstream,
     ):
         varlen = const_expr(self.features.varlen)
@@ -311,7 +312,7 @@ class FlashAttentionBackwardSm90:
             softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left,
             window_right, softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
             sQ_layout, sdO_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
-            num_n_blocks, num_batches, head_splits,
+            num_n_blocks, num_batches, head_splits, mSeqOrder,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -360,6 +361,7 @@ class FlashAttentionBackwardSm90:
         num_n_blocks: Int32,  # the grid's (K/V blocks, K/V heads, batch), for a persistent grid
         num_batches: Int32,
         head_splits: Int32,
+        mSeqOrder: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -408,11 +410,12 @@ class FlashAttentionBackwardSm90:
         if const_expr(self.persistent):
             grid_shape = (num_n_blocks, mK.shape[2] * head_splits, num_batches)
             work_of = partial(self._work, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
-                              head_splits=head_splits)
+                              head_splits=head_splits, mSeqOrder=mSeqOrder)
             self._persistent_roles(*role_args, work_of, grid_shape)
         else:
             work = self._work(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
-                              cute.arch.block_idx(), cute.arch.grid_dim(), head_splits=head_splits)
+                              cute.arch.block_idx(), cute.arch.grid_dim(), head_splits=head_splits,
+                              mSeqOrder=mSeqOrder)
             roles = partial(self._roles, *role_args, work)
             if const_expr(self.features.varlen):
                 # the grid covers the longest sequence: a K/V block past this one's keys does nothing
@@ -506,13 +509,15 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def _work(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
-              cta_coords, grid_shape, head_splits: Int32):
+              cta_coords, grid_shape, head_splits: Int32, mSeqOrder=None):
         """The K/V block, K/V head and sequence of the CTA at ``cta_coords`` of a (K/V blocks,
         K/V heads x head_splits, batch) grid, and the Q blocks it visits: (n_block, head of dK and
         dV, seq, first query head, query heads, first Q block, Q blocks per head, K/V head). Every
         role walks the same (head, Q block) sequence. ``head_splits`` > 1 (GQA): split s of K/V head h takes
         the s-th share of h's query heads, and its dK, dV go to head h * head_splits + s of
-        per-split dK, dV tensors, which the host sums."""
+        per-split dK, dV tensors, which the host sums. ``mSeqOrder`` (varlen): grid batch index b
+        runs sequence mSeqOrder[b], so the hardware, which starts CTAs in grid order, starts the
+        longest sequences' (longest) CTAs first and ends on short ones."""
         n_block, head_dkv, batch = cta_coords
         group_all = mQ.shape[2] // mK.shape[2]  # query heads per K/V head
         group = group_all // head_splits  # ... per CTA
@@ -522,6 +527,8 @@ class FlashAttentionBackwardSm90:
             cta = n_block + num_n * (head_dkv + heads_dkv * batch)
             section = tile_scheduler.backward_heads_per_section(mQ.shape[0], group, self.head_dim)
             n_block, head_dkv, batch = tile_scheduler.section_coords(cta, num_n, heads_dkv, batches, section)
+        if const_expr(mSeqOrder is not None):
+            batch = mSeqOrder[batch]
         seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         if const_expr(self.causal and self.deterministic):
             # the last K/V blocks first: the order their dQ shares are added in (dq_semaphore_turn)
