@@ -131,12 +131,14 @@ def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capa
 def _sm90_for_features(candidates, features: Features, causal: bool):
     """The SM90 table's traits adapted to the features: a local window or varlen gives the two Q
     blocks of a K/V multicast cluster different K/V blocks, so those variants run without
-    multicast; a causal varlen or windowed batch of a head dim in traits.SM90_CAUSAL_DYNAMIC_TILES
-    runs a persistent grid with dynamic tiles (the measured reason is there)."""
+    multicast; a causal varlen batch or a windowed one of a head dim in
+    traits.SM90_CAUSAL_DYNAMIC_TILES runs a persistent grid with dynamic tiles (the measured reason
+    is there). (A window, causal or not, is a local kernel with ``causal`` False: its right edge is
+    a run-time value.)"""
     if not (features.local or features.varlen):
         return candidates
     candidates = tuple(dataclasses.replace(t, kv_multicast=False) for t in candidates)
-    if causal:
+    if causal or features.local:
         candidates = tuple(dataclasses.replace(t, persistent=True, overlap_tiles=False, dynamic_tiles=True)
                            if t.head_dim in SM90_CAUSAL_DYNAMIC_TILES else t for t in candidates)
     return candidates
@@ -208,8 +210,8 @@ def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, determin
                 raise ValueError(f"traits {traits.spec}: Q blocks of {traits.tile_m} rows need head_dim 97-128 "
                                  f"and no varlen (got head_dim {head_dim}, varlen={features.varlen})")
     elif kernel == "sm90" and target == "sm_90a" and sm90_backward_traits(head_dim, causal, smem_capacity,
-                                                                          features.varlen, features.local):
-        candidates = sm90_backward_traits(head_dim, causal, smem_capacity, features.varlen, features.local)
+                                                                          features.varlen):
+        candidates = sm90_backward_traits(head_dim, causal, smem_capacity, features.varlen)
     else:
         kernel, candidates = "sm80", sm80_backward_traits(head_dim)
     if kernel == "sm90" and target != "sm_90a":

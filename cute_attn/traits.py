@@ -174,18 +174,20 @@ SM90_FORWARD = {
 }
 
 
-# Causal varlen and causal windowed batches of these head dims run their SM90 tier on a persistent
-# grid whose CTAs take their tiles from an atomic counter (dynamic_tiles), in the order one CTA per
-# tile would run them. Sequences of different lengths make the static rounds of a persistent grid
+# Causal varlen and windowed batches (causal or not: a window is a local kernel) of these head dims
+# run their SM90 tier on a persistent grid whose CTAs take their tiles from an atomic counter
+# (dynamic_tiles), in the order one CTA per tile would run them. Sequences of different lengths make the static rounds of a persistent grid
 # unequal (varlen d128: 462 against 479 TFLOP/s one CTA per tile), and one CTA per tile pays every
 # tile's start (launch, pipeline set-up, the first loads: ~3.6 us of fixed cost per tile plus ~1.1 us
 # between tiles on an SM, from a per-tile timeline on H100) and ~1 us for each tile past a
 # sequence's end. Measured on H100 beside the previous choice in one device call
 # (docs/performance.md): `tools/bench.py --varlen --causal 1` (lengths 128-4096, 16k tokens) d128
 # 555 against 467 TFLOP/s (one CTA per tile), d64 436 against 379 (static persistent); causal
-# windows (W, 0), S 4096-16384, W 256-4096: d128 -1..+9%, d64 +0..+13% (`tools/bench.py --window
-# 1024`: d128 484 against 466 at S 16384, 501 / 506 at 4096; d64 336 / 318, 291 / 286), where a
-# static persistent deal measured level with one CTA per tile (-1..+3%).
+# windows (W, 0), S 4096-16384, W 256-4096, each deal forced: d128 -1..+9%, d64 +0..+13%, where a
+# static persistent deal measured level with one CTA per tile (-1..+3%). (Windows took the dynamic
+# deal only from 2026-11-26 04:00 UTC: before, the selection tested the kernel's causal flag, which
+# a window's kernel does not set; `tools/bench.py --window 1024` against the static persistent grid
+# they ran until then: d128 +6% / +11% at S 4096 / 16384, d64 +12% / +7%.)
 SM90_CAUSAL_DYNAMIC_TILES = frozenset({64, 128})
 
 
@@ -473,16 +475,15 @@ SM90_BACKWARD = {
 
 
 def sm90_backward_traits(head_dim: int, causal: bool = False, smem_capacity: int | None = None,
-                         varlen: bool = False, local: bool = False) -> tuple[Sm90BackwardTraits, ...]:
+                         varlen: bool = False) -> tuple[Sm90BackwardTraits, ...]:
     """The SM90 backward candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80).
     Varlen takes 64-row Q blocks where the table has 80 (a sequence's rows start at a multiple of
-    VARLEN_ROW_PAD in the row buffers, which 80-row blocks would overrun), and no persistent grid;
-    a causal window (``local``) of d64/d128 takes one: its K/V blocks see about as many Q blocks
-    each, so fixed rounds deal them out evenly (window 1024 at S 4096/16384 on H100, 2026-11-26:
-    d128 +4.7% / +3.2%, d64 +1.5% / +2.0%; docs/performance.md)."""
+    VARLEN_ROW_PAD in the row buffers, which 80-row blocks would overrun), and no persistent grid.
+    A window, causal or not, is a kernel with ``causal`` False (its right edge is a run-time value)
+    and takes the non-causal entry: 64-row blocks on a persistent grid instead measured level at
+    d128 (window (1024, 0), S 4096 / 16384 on H100, 2026-11-26: 370 / 385 against 375 / 385
+    TFLOP/s; docs/performance.md)."""
     t = SM90_BACKWARD.get(padded_head_dim(head_dim), {}).get(bool(causal))
-    if t is not None and causal and local and padded_head_dim(head_dim) in (64, 128):
-        t = replace(t, persistent=True)
     if t is not None and varlen and VARLEN_ROW_PAD % t.tile_m:
         t = replace(t, tile_m=64)
     if t is not None and varlen:

@@ -198,14 +198,25 @@ def test_sm90_seqlen_tiers_pick_their_traits():
     assert not forward_key("sm_90a", "bf16", 128, True, kernel="sm90", seqlen=8193).candidates[0].persistent
     assert forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=1000).candidates[0].tile_m == 128
     assert forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=2048).candidates[0].tile_m == 192
-    # causal varlen or windowed d64/d128: the persistent grid with a dynamic deal at every tier;
-    # non-causal ones and the other features keep the table's deal
-    for f in (Features(varlen=True), Features(local=True), Features(varlen=True, local=True, softcap=True)):
-        for d, seqlen in ((128, 1000), (128, 16384), (64, 1000), (64, 8192)):
-            t = forward_key("sm_90a", "bf16", d, True, kernel="sm90", seqlen=seqlen, features=f).candidates[0]
-            assert t.persistent and t.dynamic_tiles and not t.overlap_tiles and t.spec.endswith("psdt")
-        assert not forward_key("sm_90a", "bf16", 128, False, kernel="sm90", features=f).candidates[0].dynamic_tiles
+    # causal varlen and windowed d64/d128: the persistent grid with a dynamic deal at every tier;
+    # non-causal varlen and the other features keep the table's deal. A window, causal or not, is a
+    # local kernel with the causal flag off (its right edge is a run-time value): both flags checked
+    for f, flags in ((Features(varlen=True), (True,)), (Features(local=True), (False, True)),
+                     (Features(varlen=True, local=True, softcap=True), (False, True))):
+        for causal in flags:
+            for d, seqlen in ((128, 1000), (128, 16384), (64, 1000), (64, 8192)):
+                t = forward_key("sm_90a", "bf16", d, causal, kernel="sm90", seqlen=seqlen, features=f).candidates[0]
+                assert t.persistent and t.dynamic_tiles and not t.overlap_tiles and t.spec.endswith("psdt")
         assert not forward_key("sm_90a", "bf16", 256, True, kernel="sm90", features=f).candidates[0].persistent
+    assert not forward_key("sm_90a", "bf16", 128, False, kernel="sm90",
+                           features=Features(varlen=True)).candidates[0].dynamic_tiles
+    # what a causal window's call compiles (interface: window (1024, 0) -> local, causal off)
+    from cute_attn.interface import _score_options
+
+    opts = _score_options(True, None, 128, window_size=(1024, 0))
+    assert not opts.causal and opts.features.local
+    assert forward_key("sm_90a", "bf16", 128, opts.causal, kernel="sm90", seqlen=16384,
+                       features=opts.features).candidates[0].dynamic_tiles
     assert not forward_key("sm_90a", "bf16", 128, True, kernel="sm90", seqlen=1000,
                            features=Features(softcap=True)).candidates[0].dynamic_tiles
     assert parse_traits("m128n128s2p0psdt", 128).dynamic_tiles
@@ -395,13 +406,13 @@ def test_sm90_backward_table_and_fallback():
     assert not backward_keys("sm_90a", "bf16", 64, False, True, kernel="sm90")[1].traits.persistent
     assert not backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90",
                              features=Features(varlen=True))[1].traits.persistent
-    # a causal window (d64/d128): persistent as well; not with varlen, not d96 (not measured)
-    assert not backward_keys("sm_90a", "bf16", 96, True, False, kernel="sm90",
-                             features=Features(local=True))[1].traits.persistent
-    for d in (64, 128):
-        assert backward_keys("sm_90a", "bf16", d, True, False, kernel="sm90",
-                             features=Features(local=True, softcap=True))[1].traits.persistent
-        assert not backward_keys("sm_90a", "bf16", d, True, False, kernel="sm90",
+    # a window, causal or not, is a local kernel with the causal flag off: the non-causal entry
+    # (d64 on its persistent grid, d128 80-row blocks one CTA per K/V block; measured level with
+    # 64-row blocks on the persistent grid), and without the persistent grid when varlen
+    for d, entry in ((64, "m128n128s2p"), (128, "m80n128s2")):
+        assert backward_keys("sm_90a", "bf16", d, False, False, kernel="sm90",
+                             features=Features(local=True, softcap=True))[1].traits.spec == entry
+        assert not backward_keys("sm_90a", "bf16", d, False, False, kernel="sm90",
                                  features=Features(local=True, varlen=True))[1].traits.persistent
     assert parse_backward_traits("m64n128s2lp", 128).persistent
     assert backward_keys("sm_90a", "fp16", 128, True, True, traits=spec)[1].kernel == "sm90"
