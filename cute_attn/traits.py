@@ -176,8 +176,9 @@ SM90_FORWARD = {
 
 # Causal varlen and windowed batches (causal or not: a window is a local kernel) of these head dims
 # run their SM90 tier on a persistent grid whose CTAs take their tiles from an atomic counter
-# (dynamic_tiles), in the order one CTA per tile would run them. Sequences of different lengths make the static rounds of a persistent grid
-# unequal (varlen d128: 462 against 479 TFLOP/s one CTA per tile), and one CTA per tile pays every
+# (dynamic_tiles), in the order one CTA per tile would run them. Sequences of different lengths
+# make the static rounds of a persistent grid unequal (varlen d128: 462 against 479 TFLOP/s one
+# CTA per tile), and one CTA per tile pays every
 # tile's start (launch, pipeline set-up, the first loads: ~3.6 us of fixed cost per tile plus ~1.1 us
 # between tiles on an SM, from a per-tile timeline on H100) and ~1 us for each tile past a
 # sequence's end. Measured on H100 beside the previous choice in one device call

@@ -515,9 +515,9 @@ class FlashAttentionBackwardSm90:
         dV, seq, first query head, query heads, first Q block, Q blocks per head, K/V head). Every
         role walks the same (head, Q block) sequence. ``head_splits`` > 1 (GQA): split s of K/V head h takes
         the s-th share of h's query heads, and its dK, dV go to head h * head_splits + s of
-        per-split dK, dV tensors, which the host sums. ``mSeqOrder`` (varlen): grid batch index b
-        runs sequence mSeqOrder[b], so the hardware, which starts CTAs in grid order, starts the
-        longest sequences' (longest) CTAs first and ends on short ones."""
+        per-split dK, dV tensors, which the host sums. ``mSeqOrder`` (non-causal varlen): grid
+        batch index b runs sequence mSeqOrder[b], so the hardware, which starts CTAs in grid
+        order, starts the longest sequences' (longest) CTAs first and ends on short ones."""
         n_block, head_dkv, batch = cta_coords
         group_all = mQ.shape[2] // mK.shape[2]  # query heads per K/V head
         group = group_all // head_splits  # ... per CTA
