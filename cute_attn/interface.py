@@ -839,10 +839,10 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
         if sm90:
             # (varlen: the keys of all sequences and the longest one's stand for the batch's)
             total_keys = k.shape[1] * (1 if varlen else k.shape[0])
-            # (a causal window's K/V blocks see alike numbers of Q blocks: counted as not causal)
+            # (a window is a local kernel with causal off: its K/V blocks see alike numbers of Q
+            # blocks, so it never splits)
             splits = backward_head_splits(num_seqs, heads, k.shape[2], -(-total_keys // chosen.tile_n),
-                                          -(-max_seqlen_k // chosen.tile_n), opts.causal and not opts.features.local,
-                                          plan.num_sms)
+                                          -(-max_seqlen_k // chosen.tile_n), opts.causal, plan.num_sms)
         dk_out, dv_out = dk, dv
         if splits > 1:  # per-split dK, dV (each K/V head's query heads in ``splits`` CTAs), summed below
             # (zeroed with seqused_k: the kernel leaves the rows of unused keys unwritten)
