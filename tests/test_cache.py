@@ -251,3 +251,58 @@ def test_background_builds_off_and_without_a_disk_cache(tmp_path, monkeypatch):
     memory = KernelCache(build, None, group=forward_tier_siblings, background=True)
     memory.get(SMALL)
     assert split in memory and memory.builds == 2
+
+
+def test_builds_pause_the_garbage_collector():
+    """A build runs with Python's cyclic GC off (a full collection walks torch's objects too) and
+    leaves the collector as it found it: on after a build (or a failed one), off where the caller
+    had turned it off, on again after nested and concurrent builds; objects the program froze
+    (gc.freeze) stay frozen."""
+    import gc
+    import threading
+
+    seen = []
+
+    def build(key):
+        seen.append(gc.isenabled())
+        if key == "outer":  # a build that builds another (as the backward's postprocess is)
+            inner.get("inner")
+        return object()
+
+    inner = KernelCache(build, None)
+    assert gc.isenabled()
+    KernelCache(build, None).get("outer")
+    assert seen == [False, False] and gc.isenabled()
+
+    threads = [threading.Thread(target=KernelCache(build, None).get, args=(f"t{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen[2:] == [False] * 4 and gc.isenabled()
+
+    def failing(key):
+        raise RuntimeError("compile failed")
+
+    with pytest.raises(RuntimeError):
+        KernelCache(failing, None).get("failing")
+    assert gc.isenabled()
+
+    gc.disable()
+    try:
+        KernelCache(build, None).get("caller-disabled")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    # objects the program froze itself stay frozen
+    frozen = [object() for _ in range(3)]
+    gc.freeze()
+    try:
+        count = gc.get_freeze_count()
+        assert count > 0
+        KernelCache(build, None).get("after-freeze")
+        assert gc.get_freeze_count() == count
+    finally:
+        gc.unfreeze()
+    del frozen
