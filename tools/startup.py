@@ -10,7 +10,9 @@ compiles), a warm one (``--cache-dir`` filled, e.g. by a cold run: loads), and a
 the warm process. The fwd+bwd rows time the first forward and backward (``torch.autograd.grad``)
 as a training step's first call. Host overhead: wall time per call over 2000 back-to-back calls of a tiny shape
 (B1 S128 H16 d128), where the GPU work is a few microseconds and the host's share shows.
-Prints a markdown table.
+Prints a markdown table. ``--repeat N`` runs every row N times (a fresh process and, for the cold
+rows, a fresh empty cache each time, interleaved with the other rows) and reports the median, the
+first call's range beside it; ``--only`` keeps some implementations (``sdpa cudnn fa4 cute_attn``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,44 +88,66 @@ def run(which: str, seqlen: int, env: dict, train: bool = False) -> dict | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _median_row(results: list) -> dict | None:
+    """The per-field median of several runs of one row (None where every run failed), with the
+    first call's range."""
+    results = [r for r in results if r is not None]
+    if not results:
+        return None
+    row = {f: statistics.median(r[f] for r in results) for f in results[0]}
+    row["first_range"] = (min(r["first_s"] for r in results), max(r["first_s"] for r in results))
+    row["runs"] = len(results)
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache-dir", default=None, help="cute_attn's warm disk cache (default: a fresh one, filled by the cold run)")
     p.add_argument("--seqlens", type=int, nargs="+", default=[128, 2048])
     p.add_argument("--train-seqlens", type=int, nargs="*", default=[2048],
                    help="forward+backward rows (flash_attn_func / autograd) at these lengths")
+    p.add_argument("--repeat", type=int, default=1, help="fresh processes per row (median reported)")
+    p.add_argument("--only", nargs="+", choices=["sdpa", "cudnn", "fa4", "cute_attn"],
+                   default=["sdpa", "cudnn", "fa4", "cute_attn"], help="implementations to time")
     args = p.parse_args(argv)
     import torch
 
     base = dict(os.environ)
-    rows = []
-    for s in args.seqlens:
-        with tempfile.TemporaryDirectory(prefix="cute_attn_cold_") as cold:
-            warm = args.cache_dir or cold
-            rows.append(("SDPA flash", s, run("sdpa", s, base)))
-            rows.append(("SDPA cuDNN", s, run("cudnn", s, base)))
-            rows.append(("FA4 (CuTe DSL)", s, run("fa4", s, base)))
-            if not args.cache_dir:
-                rows.append(("cute_attn cold (empty disk cache)", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": cold})))
-            rows.append(("cute_attn warm (disk cache filled)", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": warm})))
-    for s in args.train_seqlens:  # forward + backward: the first step of a training run
-        with tempfile.TemporaryDirectory(prefix="cute_attn_cold_") as cold:
-            warm = args.cache_dir or cold
-            rows.append(("SDPA flash, fwd+bwd", s, run("sdpa", s, base, True)))
-            rows.append(("SDPA cuDNN, fwd+bwd", s, run("cudnn", s, base, True)))
-            rows.append(("FA4 (CuTe DSL), fwd+bwd", s, run("fa4", s, base, True)))
-            if not args.cache_dir:
-                rows.append(("cute_attn cold, fwd+bwd", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": cold}, True)))
-            rows.append(("cute_attn warm, fwd+bwd", s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": warm}, True)))
+    names = {"sdpa": "SDPA flash", "cudnn": "SDPA cuDNN", "fa4": "FA4 (CuTe DSL)"}
+    rows: dict = {}  # (name, seqlen) -> results of every repeat, in the order first run
+
+    def add(name, seqlen, result):
+        rows.setdefault((name, seqlen), []).append(result)
+
+    for _ in range(args.repeat):
+        for s, train in [(s, False) for s in args.seqlens] + [(s, True) for s in args.train_seqlens]:
+            suffix = ", fwd+bwd" if train else ""
+            with tempfile.TemporaryDirectory(prefix="cute_attn_cold_") as cold:
+                warm = args.cache_dir or cold
+                for which in ("sdpa", "cudnn", "fa4"):
+                    if which in args.only:
+                        add(names[which] + suffix, s, run(which, s, base, train))
+                if "cute_attn" in args.only:
+                    if not args.cache_dir:
+                        cold_name = "cute_attn cold, fwd+bwd" if train else "cute_attn cold (empty disk cache)"
+                        add(cold_name, s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": cold}, train))
+                    warm_name = "cute_attn warm, fwd+bwd" if train else "cute_attn warm (disk cache filled)"
+                    add(warm_name, s, run("cute_attn", s, {**base, "CUTE_ATTN_CACHE_DIR": warm}, train))
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 d128 heads 16 causal forward "
-          f"(fwd+bwd rows: forward and backward), fresh process per row\n")
-    print("| implementation | B x S | import (s) | first call (s) | second call (ms) | per call, 2000 calls (us) |")
-    print("|---|---|---|---|---|---|")
-    for name, s, r in rows:
+          f"(fwd+bwd rows: forward and backward), fresh process per row"
+          f"{f', median of {args.repeat} runs per row' if args.repeat > 1 else ''}\n")
+    ranged = args.repeat > 1
+    print("| implementation | B x S | import (s) | first call (s) | " + ("first call, range (s) | " if ranged else "")
+          + "second call (ms) | per call, 2000 calls (us) |")
+    print("|---|---|---|---|---|---|" + ("---|" if ranged else ""))
+    for (name, s), results in rows.items():
+        r = _median_row(results)
+        shape = f"{1 if s <= 128 else 2} x {s}"
         if r is None:
-            print(f"| {name} | {1 if s <= 128 else 2} x {s} | - | - | - | - |")
+            print(f"| {name} | {shape} | - | - | " + ("- | " if ranged else "") + "- | - |")
             continue
-        print(f"| {name} | {1 if s <= 128 else 2} x {s} | {r['import_s']:.2f} | {r['first_s']:.2f} | "
+        spread = f"{r['first_range'][0]:.2f}-{r['first_range'][1]:.2f} | " if ranged else ""
+        print(f"| {name} | {shape} | {r['import_s']:.2f} | {r['first_s']:.2f} | {spread}"
               f"{r['second_s'] * 1e3:.2f} | {r['per_call_us']:.1f} |")
 
 
