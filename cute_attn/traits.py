@@ -485,13 +485,35 @@ def sm90_backward_traits(head_dim: int, causal: bool = False, smem_capacity: int
     d128 (window (1024, 0), S 4096 / 16384 on H100, 2026-11-26: 370 / 385 against 375 / 385
     TFLOP/s; docs/performance.md)."""
     t = SM90_BACKWARD.get(padded_head_dim(head_dim), {}).get(bool(causal))
-    if t is not None and varlen and VARLEN_ROW_PAD % t.tile_m:
+    if t is None:
+        return ()
+    if varlen and VARLEN_ROW_PAD % t.tile_m:
         t = replace(t, tile_m=64)
-    if t is not None and varlen:
+    if varlen:
         # a varlen grid covers the longest sequence's K/V blocks: fixed rounds deal the real ones
         # out unevenly (persistent d128 non-causal 499 against 544 TFLOP/s, docs/performance.md)
         t = replace(t, persistent=False)
-    return tuple(c for c in (t,) if c is not None and (not smem_capacity or c.smem_bytes() <= smem_capacity))
+    candidates = (t, *sm90_backward_fallbacks(t))
+    return tuple(c for c in candidates if not smem_capacity or c.smem_bytes() <= smem_capacity)
+
+
+def sm90_backward_fallbacks(t: Sm90BackwardTraits) -> tuple[Sm90BackwardTraits, ...]:
+    """The candidates after ``t``, taken where ``t`` compiles with local memory (the compile takes
+    the first that needs none, compile._first_without_local_memory). Every non-varlen combination
+    of window, softcap and ALiBi compiled for sm_90a (2026-11-26): the d64 persistent grid spills
+    with softcap (8-16 bytes of stack), d128's 80-row blocks with window + ALiBi (24 bytes); one
+    CTA per K/V block and 64-row Q blocks compile without, and measured (H100, S 2048 / 8192,
+    beside the spilling kernels in one run) level at d64 (softcap: 342 / 394 against 344 / 395
+    TFLOP/s) and +7-9% at d128 (window (1024, 0) + ALiBi: 359 / 394 against 335 / 362). The plain
+    kernels and every other combination keep the first candidate, so they compile and run as
+    before. d192 with all three spills 8 bytes and keeps them: its 64-key fallback measured 11%
+    slower (281 / 306 against 318 / 342)."""
+    fallbacks = []
+    if t.persistent:
+        fallbacks.append(replace(t, persistent=False))
+    if t.tile_m == 80:
+        fallbacks.append(replace(t, tile_m=64))
+    return tuple(fallbacks)
 
 
 # ---------------------------------------------------------------------------- host-side sizes the kernels share

@@ -111,6 +111,11 @@ def _bwd_keys(all_variants):
     # the score features on the 80-row (dQ^T) kernel, and varlen non-causal, which keeps 64 rows
     for f in (Features(local=True, softcap=True, alibi=True), VARLEN_ALL):
         keys.update(dict.fromkeys(backward_variants(["sm_90a"], [128], ["bf16"], [False], [False], features=[f])))
+    # combinations whose first candidate needs local memory take the next one
+    # (traits.sm90_backward_fallbacks): d64 persistent + softcap, d128 80 rows + window + ALiBi
+    for d, f in ((64, Features(softcap=True)), (128, Features(local=True, alibi=True))):
+        keys.update(dict.fromkeys(backward_variants(["sm_90a"], [d], ["bf16"], [False], [False], kernels=("sm90",),
+                                                    features=(f,))))
     for d, dt, c, det, f in BWD_LARGE_SUBSET:
         keys.update(dict.fromkeys(backward_variants(["sm_90a"], [d], [dt], [c], [det], kernels=("sm90",),
                                                     features=(f,))))
@@ -414,6 +419,16 @@ def test_sm90_backward_table_and_fallback():
                              features=Features(local=True, softcap=True))[1].traits.spec == entry
         assert not backward_keys("sm_90a", "bf16", d, False, False, kernel="sm90",
                                  features=Features(local=True, varlen=True))[1].traits.persistent
+    # after the table's entry, the candidates a feature combination that spills falls back to
+    # (traits.sm90_backward_fallbacks); deterministic drops the persistent grid without repeats
+    fallbacks = {d: [t.spec for t in backward_keys("sm_90a", "bf16", d, False, False, kernel="sm90")[1].candidates]
+                 for d in (64, 128, 192, 256)}
+    assert fallbacks == {64: ["m128n128s2p", "m128n128s2"], 128: ["m80n128s2", "m64n128s2"],
+                         192: ["m64n96s2d1t"], 256: ["m64n64s2d1tq2"]}
+    assert [t.spec for t in backward_keys("sm_90a", "bf16", 64, False, True, kernel="sm90")[1].candidates] == [
+        "m128n128s2"]
+    assert [t.spec for t in backward_keys("sm_90a", "bf16", 128, True, False, kernel="sm90")[1].candidates] == [
+        "m64n128s2l"]
     assert parse_backward_traits("m64n128s2lp", 128).persistent
     assert backward_keys("sm_90a", "fp16", 128, True, True, traits=spec)[1].kernel == "sm90"
     with pytest.raises(ValueError, match="sm_90a"):

@@ -102,6 +102,17 @@ def test_causal_window_over_many_kv_blocks(head_dim):
     check_dense(q, k, v, True, dict(window_size=(256, 0), softcap=5.0), f"causal window d={head_dim}")
 
 
+@pytest.mark.parametrize("head_dim,options", [(64, dict(softcap=5.0)), (128, dict(window_size=(300, 40), alibi=True))],
+                         ids=["d64-softcap", "d128-window-alibi"])
+def test_backward_fallback_candidates(head_dim, options):
+    """Combinations whose SM90 backward table entry needs local memory run the next candidate
+    (traits.sm90_backward_fallbacks: d64 one CTA per K/V block instead of the persistent grid,
+    d128 64-row Q blocks instead of 80), with more K/V blocks than SMs, GQA and seqlen_q !=
+    seqlen_k."""
+    q, k, v = random_qkv(2, 1500, 1700, 8, 2, head_dim, torch.bfloat16)
+    check_dense(q, k, v, False, _options(options, 2, 8), f"fallback d={head_dim} {sorted(options)}")
+
+
 def test_all_features_fp16():
     q, k, v = random_qkv(2, 255, 300, 4, 2, 128, torch.float16)
     check_dense(q, k, v, False, _options(dict(softcap=5.0, alibi=False, window_size=(100, 0)), 2, 4), "fp16")
@@ -334,6 +345,7 @@ def feature_keys(smem_capacity: int = 227 * 1024) -> list:
     configs = [(f, c, 128, "bf16") for f, c in d128]
     configs += [(F(varlen=True), c, 128, dt) for c in (False, True) for dt in ("bf16", "fp16")]
     configs += [(F(local=True, softcap=True, alibi=True), False, 128, "fp16"), (F(varlen=True), True, 64, "bf16")]
+    configs += [(F(softcap=True), False, 64, "bf16"), (F(local=True, alibi=True), False, 128, "bf16")]  # fallbacks
     for d in HEAD_DIMS:
         configs += [(F(local=True, softcap=True, alibi=True), False, d, "bf16"),
                     (F(softcap=True, alibi=True, varlen=True), True, d, "bf16")]
