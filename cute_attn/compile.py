@@ -426,9 +426,10 @@ class _GcPause:
     """Python's cyclic garbage collector off while a kernel compiles (re-entrant, any thread).
 
     Importing the DSL and tracing a kernel allocate hundreds of thousands of short-lived objects;
-    with torch loaded every full collection walks torch's millions of live objects too, which cost
-    a cold first call ~0.15-0.2 s (CPU machine, import 0.37 -> 0.23 s). Reference counting still
-    frees what the compile drops; cycles wait for the next collection after it."""
+    with torch loaded, a full collection among them walks torch's millions of live objects too
+    (CPU machine: 0.11-0.12 s, and 0.04 s of young collections, per cold compile). Paused, the
+    cold first call on H100 went from 2.83 to 2.67 s (medians, docs/performance.md). Reference
+    counting still frees what the compile drops; cycles wait for the next collection after it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

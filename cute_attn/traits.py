@@ -477,9 +477,10 @@ SM90_BACKWARD = {
 
 def sm90_backward_traits(head_dim: int, causal: bool = False, smem_capacity: int | None = None,
                          varlen: bool = False) -> tuple[Sm90BackwardTraits, ...]:
-    """The SM90 backward candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80).
-    Varlen takes 64-row Q blocks where the table has 80 (a sequence's rows start at a multiple of
-    VARLEN_ROW_PAD in the row buffers, which 80-row blocks would overrun), and no persistent grid.
+    """The SM90 backward candidates for ``head_dim`` that fit ``smem_capacity`` (empty: use SM80):
+    the table's entry, then ``sm90_backward_fallbacks``. Varlen takes 64-row Q blocks where the
+    table has 80 (a sequence's rows start at a multiple of VARLEN_ROW_PAD in the row buffers,
+    which 80-row blocks would overrun), and no persistent grid.
     A window, causal or not, is a kernel with ``causal`` False (its right edge is a run-time value)
     and takes the non-causal entry: 64-row blocks on a persistent grid instead measured level at
     d128 (window (1024, 0), S 4096 / 16384 on H100, 2026-11-26: 370 / 385 against 375 / 385

@@ -171,3 +171,29 @@ def test_decode_num_splits_reads_the_interface(bench):
             return 1
 
     assert bench._decode_num_splits(shape, 132, Unknown) == "?"
+
+
+def test_startup_repeats_report_medians(monkeypatch, capsys):
+    """tools/startup.py --repeat: every row runs that many times, interleaved, and the table shows
+    each row's medians and its first call's range; --only drops the others (the runs are faked)."""
+    spec = importlib.util.spec_from_file_location("startup", os.path.join(os.path.dirname(_PATH), "startup.py"))
+    startup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(startup)
+    calls = []
+
+    def fake_run(which, seqlen, env, train=False):
+        calls.append((which, seqlen, train, "CUTE_ATTN_CACHE_DIR" in env))
+        first = [3.0, 1.0, 2.0][sum(c[0] == "fa4" for c in calls) - 1]  # by round
+        return dict(import_s=0.5, first_s=first, second_s=0.001, per_call_us=20.0)
+
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "fake GPU")
+    monkeypatch.setattr(startup, "run", fake_run)
+    startup.main(["--repeat", "3", "--seqlens", "128", "--train-seqlens", "--only", "fa4", "cute_attn"])
+    out = capsys.readouterr().out
+    assert {c[0] for c in calls} == {"fa4", "cute_attn"} and len(calls) == 9  # fa4, cold, warm, 3 times
+    assert [c[0] for c in calls[:3]] == ["fa4", "cute_attn", "cute_attn"]  # interleaved rounds
+    assert "median of 3 runs" in out
+    for name in ("FA4 (CuTe DSL)", "cute_attn cold (empty disk cache)", "cute_attn warm (disk cache filled)"):
+        assert f"| {name} | 1 x 128 | 0.50 | 2.00 | 1.00-3.00 | 1.00 | 20.0 |" in out
+    assert "SDPA" not in out
