@@ -43,8 +43,16 @@ def force_arch(kernel: str | None):
         _forced.kernel = previous
 
 
-def _requested_kernel() -> str | None:
-    kernel = getattr(_forced, "kernel", None) or os.environ.get("CUTE_ATTN_ARCH") or None
+def forced_kernel() -> str | None:
+    """The family ``force_arch`` set in this thread (None: none). ``force_arch`` is per thread, and
+    autograd runs a CUDA backward in a thread of its own: the autograd functions record this with
+    the forward and force it again around the backward (interface.FlashAttnFunc)."""
+    return getattr(_forced, "kernel", None)
+
+
+def requested_kernel() -> str | None:
+    """The family forced in this thread or by CUTE_ATTN_ARCH (None: the GPU's own)."""
+    kernel = forced_kernel() or os.environ.get("CUTE_ATTN_ARCH") or None
     if kernel is not None and kernel not in KERNEL_FAMILIES:
         raise ValueError(f"CUTE_ATTN_ARCH must be one of {KERNEL_FAMILIES}, got {kernel!r}")
     return kernel
@@ -76,7 +84,7 @@ def plan_for_device(device) -> DevicePlan:
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, minor, smem, num_sms = _device_facts(index)
     target = target_for_capability(major, minor)
-    kernel = _requested_kernel() or ("sm90" if target == "sm_90a" else "sm80")
+    kernel = requested_kernel() or ("sm90" if target == "sm_90a" else "sm80")
     if kernel == "sm90" and target != "sm_90a":
         raise ValueError(f"the sm90 kernels need compute capability 9.0; this GPU is {major}.{minor}")
     return DevicePlan(kernel, target, smem, num_sms)

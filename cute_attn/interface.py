@@ -358,10 +358,11 @@ _MAX_LAUNCHES = 4096
 def _signature(tensors, options) -> tuple | None:
     """What validation and the kernel choice depend on, apart from the pointers (None: not tensors
     or options that cannot be a key). Options carry their types: causal=1 must not pass for
-    causal=True."""
+    causal=True. The kernel family ``force_arch`` or CUTE_ATTN_ARCH asks for is part of it: a call
+    under force_arch("sm80") must not reuse the SM90 launch of an earlier call with the same shapes."""
     try:
         signature = (tuple((t.__class__, t.dtype, t.device, t.shape, t.stride()) for t in tensors)
-                     + tuple((o.__class__, o) for o in options))
+                     + tuple((o.__class__, o) for o in options) + (dispatch.requested_kernel(),))
         hash(signature)
         return signature
     except (AttributeError, TypeError):
@@ -742,7 +743,7 @@ def _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, sof
     configuration: later calls cost one set lookup."""
     try:
         seen = (q.device, q.dtype, q.shape[-1], causal, bool(deterministic), tuple(window_size), softcap,
-                alibi_slopes is None, varlen, seqused)
+                alibi_slopes is None, varlen, seqused, dispatch.requested_kernel())
         if seen in _PREFETCHED:
             return
         _PREFETCHED.add(seen)
@@ -890,13 +891,15 @@ class FlashAttnFunc(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, deterministic=deterministic)
+        ctx.arch = dispatch.forced_kernel()  # the backward runs in autograd's thread: force it there too
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(_grad_ready(dout), q, k, v, out, lse, **ctx.options)
+        with dispatch.force_arch(ctx.arch):
+            dq, dk, dv = backward(_grad_ready(dout), q, k, v, out, lse, **ctx.options)
         needs = ctx.needs_input_grad
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 6
 
@@ -916,14 +919,16 @@ class VarlenFlashAttnFunc(torch.autograd.Function):
         ctx.lengths = (max_seqlen_q, max_seqlen_k)
         ctx.options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, seqused_k=seqused_k, deterministic=deterministic)
+        ctx.arch = dispatch.forced_kernel()
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        dq, dk, dv = varlen_backward(_grad_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
-                                     **ctx.options)
+        with dispatch.force_arch(ctx.arch):
+            dq, dk, dv = varlen_backward(_grad_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         *ctx.lengths, **ctx.options)
         needs = ctx.needs_input_grad
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 11
 

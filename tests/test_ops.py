@@ -131,3 +131,45 @@ def test_compile_fullgraph_kvcache():
         out, lse = torch.ops.cute_attn.fwd_kvcache(fq, fk, fv, None, None, None, None, None, 128, None, None, None,
                                                    None, False, -1, -1, 0.0, True, None, 0)
         assert out.shape == q.shape and lse.shape == (2, 8, 1) and lse.dtype == torch.float32
+
+
+def test_backward_keeps_the_forwards_forced_arch(monkeypatch):
+    """force_arch is per thread and autograd runs a CUDA backward in a thread of its own: the
+    autograd functions (eager flash_attn_func and flash_attn_varlen_func, and the custom ops' autograd
+    formula) record the family forced at the forward and force it around the backward. Here the
+    backward is run from another thread on purpose (CPU autograd would run it in this one); the
+    kernels are replaced by fakes that record the family in effect."""
+    import threading
+
+    from cute_attn import dispatch, interface
+
+    seen = []
+
+    def fake_forward(q, k, v, **kw):
+        seen.append(("fwd", dispatch.forced_kernel()))
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def fake_backward(dout, q, k, v, out, lse, **kw):
+        seen.append(("bwd", dispatch.forced_kernel()))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(interface, "forward", fake_forward)
+    monkeypatch.setattr(interface, "backward", fake_backward)
+    monkeypatch.setattr(interface, "_prefetch_backward", lambda *a, **kw: None)
+    q, k, v = fake_qkv()
+
+    def backward_in_another_thread(out):
+        thread = threading.Thread(target=lambda: out.sum().backward())
+        thread.start()
+        thread.join()
+
+    entries = {"autograd.Function": lambda: interface.FlashAttnFunc.apply(q, k, v, True, None, False, (-1, -1), 0.0,
+                                                                          None)[0],
+               "custom op": lambda: torch.ops.cute_attn.fwd(q, k, v, True, None, False)[0]}
+    for name, entry in entries.items():
+        for arch in ("sm80", None):
+            seen.clear()
+            with cute_attn.force_arch(arch):
+                out = entry()
+            backward_in_another_thread(out)
+            assert seen == [("fwd", arch), ("bwd", arch)], (name, seen)

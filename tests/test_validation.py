@@ -168,6 +168,14 @@ def test_repeated_calls_skip_only_what_cannot_change(monkeypatch):
     raises(ValueError, "q's data pointer must be 16-byte aligned", shifted, k, v, causal=True)
     raises(ValueError, "strides", torch.randn(2, 16, 4, 68, dtype=q.dtype)[..., :64], k, v, causal=True)
     assert len(launched) == 2
+    # the kernel family asked for is part of the signature: force_arch picks its own launch
+    builds = []
+    monkeypatch.setattr(interface, "_forward_launcher",
+                        lambda *a, **kw: builds.append(interface.dispatch.requested_kernel()) or (lambda *args: None))
+    for arch in ("sm80", "sm90", "sm80", None):
+        with cute_attn.force_arch(arch):
+            cute_attn.forward(q, k, v, causal=True)
+    assert builds == ["sm80", "sm90"] and len(interface._FORWARD_LAUNCHES) == 3
 
 
 def test_repeated_backward_calls_skip_only_what_cannot_change(monkeypatch):

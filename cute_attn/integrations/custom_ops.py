@@ -3,7 +3,8 @@
     torch.ops.cute_attn.fwd(q, k, v, causal, softmax_scale, deterministic,
                             window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None) -> (out, lse)
     torch.ops.cute_attn.bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
-                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None) -> (dq, dk, dv)
+                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                            arch="") -> (dq, dk, dv)
     torch.ops.cute_attn.fwd_varlen / bwd_varlen: the same with cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k after the tensors (FlashAttention's varlen layout)
     torch.ops.cute_attn.fwd_kvcache: flash_attn_with_kvcache (no autograd; mutates the caches)
@@ -13,14 +14,16 @@ running anything, so ``torch.compile(fullgraph=True)`` traces through ``flash_at
 ``flash_attn_varlen_func`` with no graph break, and the forward ops have an autograd formula
 that calls the backward ones. ``deterministic`` rides on the forward (unused there) so that its
 backward knows it. The real implementations are the ``interface`` functions: every check and
-error message is theirs. The window is two ints (a schema has no tuple of ints).
+error message is theirs. The window is two ints (a schema has no tuple of ints). A backward op's
+``arch`` is the kernel family ``force_arch`` set where the forward ran ("": none), since autograd
+runs a CUDA backward in a thread of its own, where the forward's ``force_arch`` is not in effect.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cute_attn import interface
+from cute_attn import dispatch, interface
 
 
 def _options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes) -> dict:
@@ -47,15 +50,16 @@ def _fwd_fake(q, k, v, causal, softmax_scale, deterministic, window_left=-1, win
 @torch.library.custom_op("cute_attn::bwd", mutates_args=())
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, causal: bool, softmax_scale: float | None, deterministic: bool, window_left: int = -1,
-        window_right: int = -1, softcap: float = 0.0,
-        alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return interface.backward(interface._grad_ready(dout), q, k, v, out, lse, deterministic=deterministic,
-                              **_options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes))
+        window_right: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+        arch: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with dispatch.force_arch(arch or None):
+        return interface.backward(interface._grad_ready(dout), q, k, v, out, lse, deterministic=deterministic,
+                                  **_options(causal, softmax_scale, window_left, window_right, softcap, alibi_slopes))
 
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_left=-1, window_right=-1,
-              softcap=0.0, alibi_slopes=None):
+              softcap=0.0, alibi_slopes=None, arch=""):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -64,12 +68,13 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)  # never P: memory stays linear in the sequence length
     ctx.options = options  # causal, softmax_scale, deterministic, window_left, window_right, softcap, alibi_slopes
+    ctx.arch = dispatch.forced_kernel() or ""
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.options)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.options, arch=ctx.arch)
     needs = ctx.needs_input_grad
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 7
 
@@ -101,18 +106,19 @@ def bwd_varlen(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                max_seqlen_k: int, causal: bool, softmax_scale: float | None, deterministic: bool,
                window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-               alibi_slopes: torch.Tensor | None = None,
-               seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return interface.varlen_backward(interface._grad_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                     max_seqlen_q, max_seqlen_k, deterministic=deterministic, seqused_k=seqused_k,
-                                     **_options(causal, softmax_scale, window_left, window_right, softcap,
-                                                alibi_slopes))
+               alibi_slopes: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
+               arch: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with dispatch.force_arch(arch or None):
+        return interface.varlen_backward(interface._grad_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k, deterministic=deterministic, seqused_k=seqused_k,
+                                         **_options(causal, softmax_scale, window_left, window_right, softcap,
+                                                    alibi_slopes))
 
 
 @bwd_varlen.register_fake
 def _bwd_varlen_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                      softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
-                     seqused_k=None):
+                     seqused_k=None, arch=""):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -121,12 +127,14 @@ def _setup_varlen_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.lengths, ctx.options = (max_seqlen_q, max_seqlen_k), options
+    ctx.arch = dispatch.forced_kernel() or ""
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_varlen(ctx, dout, _dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    dq, dk, dv = bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, *ctx.options)
+    dq, dk, dv = bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, *ctx.options,
+                            arch=ctx.arch)
     needs = ctx.needs_input_grad
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None) + (None,) * 12
 
