@@ -631,21 +631,20 @@ class KernelCache:
         loaded, it is compiled again with the engine. The garbage collector pauses meanwhile
         (``_GcPause``)."""
         with _GC_PAUSED:
-            return self._build_and_store_now(key)
+            if self._disk is not None:
+                token = _JIT_ENGINE.set(False)
+                try:
+                    exported = self._built(key)
+                finally:
+                    _JIT_ENGINE.reset(token)
+                if self._store(key, exported):
+                    fn = self._load(key)
+                    if fn is not None:
+                        return fn
+            return self._built(key)
 
-    def _build_and_store_now(self, key):
-        if self._disk is not None:
-            token = _JIT_ENGINE.set(False)
-            try:
-                exported = self._build(key)
-            finally:
-                _JIT_ENGINE.reset(token)
-            self.builds += 1
-            self._chosen[key] = getattr(exported, "traits", None)
-            if self._store(key, exported):
-                fn = self._load(key)
-                if fn is not None:
-                    return fn
+    def _built(self, key):
+        """``key`` compiled, counted, and the candidate it took recorded."""
         fn = self._build(key)
         self.builds += 1
         self._chosen[key] = getattr(fn, "traits", None)

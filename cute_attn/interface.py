@@ -832,18 +832,19 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     scale, scale_log2 = opts.scale, opts.scale_log2
     scalars = opts.kernel_scalars(max_seqlen_k)
     sm90 = main.kernel == "sm90"
-    if sm90:  # the SM90 kernels also take the number of SMs (a persistent grid's size)
-        scalars = (*scalars, plan.num_sms)
+    splits = 1
+    if sm90:
+        # the SM90 kernels also take the number of SMs (a persistent grid's size) and the query-head
+        # splits of a K/V head, which follow the shapes alone (varlen: the keys of all sequences and
+        # the longest one's stand for the batch's; a window is a local kernel with causal off, its
+        # K/V blocks see alike numbers of Q blocks, so it never splits)
+        total_keys = k.shape[1] * (1 if varlen else k.shape[0])
+        splits = backward_head_splits(num_seqs, heads, k.shape[2], -(-total_keys // chosen.tile_n),
+                                      -(-max_seqlen_k // chosen.tile_n), opts.causal, plan.num_sms)
+        scalars = (*scalars, plan.num_sms, splits)
+    ordered = sm90 and varlen and not opts.causal  # the sequences' order, longest first, per call
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
-        splits = 1
-        if sm90:
-            # (varlen: the keys of all sequences and the longest one's stand for the batch's)
-            total_keys = k.shape[1] * (1 if varlen else k.shape[0])
-            # (a window is a local kernel with causal off: its K/V blocks see alike numbers of Q
-            # blocks, so it never splits)
-            splits = backward_head_splits(num_seqs, heads, k.shape[2], -(-total_keys // chosen.tile_n),
-                                          -(-max_seqlen_k // chosen.tile_n), opts.causal, plan.num_sms)
         dk_out, dv_out = dk, dv
         if splits > 1:  # per-split dK, dV (each K/V head's query heads in ``splits`` CTAs), summed below
             # (zeroed with seqused_k: the kernel leaves the rows of unused keys unwritten)
@@ -861,7 +862,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
             kernels[0](out, dout, lse, lse_log2, delta, dq_accum, cu_seqlens_q, max_seqlen_q)
             kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk_out, dv_out, sem, scale, scale_log2,
                        cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, *scalars,
-                       *((splits, _longest_first(cu_seqlens_q) if varlen and not opts.causal else None) if sm90 else ()))
+                       *((_longest_first(cu_seqlens_q) if ordered else None,) if sm90 else ()))
             kernels[2](dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q)
             if splits > 1:
                 for full, parts in ((dk, dk_out), (dv, dv_out)):
