@@ -360,6 +360,34 @@ def _fake_row_kernel_args(varlen: bool) -> tuple:
     return (cu_q, cutlass.Int32(1))
 
 
+def sm90_split_dkv_fp32(traits: Sm90BackwardTraits) -> bool:
+    """Whether an SM90 backward variant writes the dK, dV of split query heads in fp32
+    (``mdKV_split``: added into shared accumulators, or, deterministic, one tile per split),
+    rounded once on the host: every variant but the large head dims' (their dK^T, dV^T
+    accumulators, backward_large.py), which write them per split in the input dtype."""
+    return not traits.swap_dkv
+
+
+def _fake_sm90_backward_args(key: "BackwardKey", traits: Sm90BackwardTraits) -> tuple:
+    """What the SM90 backward takes after the feature arguments (before the stream): the number
+    of SMs (a persistent grid's size), the query-head splits of a K/V head (GQA), the sequences'
+    order (varlen, not causal: longest first, interface._longest_first) and the fp32 dK/dV of split
+    heads (2, batch, seqlen_k, heads, head_dim_padded) where ``sm90_split_dkv_fp32``."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    order = split = None
+    if key.features.varlen and not key.causal:
+        order = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    if sm90_split_dkv_fp32(traits):
+        sym, sym64 = cute.sym_int, cute.sym_int64
+        split = make_fake_tensor(cutlass.Float32, (2, sym(), sym(), sym(), key.head_dim),
+                                 stride=(sym64(divisibility=4), sym64(divisibility=4), sym64(divisibility=4),
+                                         key.head_dim, 1), assumed_align=16)
+    return (cutlass.Int32(132), cutlass.Int32(1), order, split)
+
+
 def build_backward(key, keep_artifacts: bool = False):
     """Compile the backward preprocess, main or postprocess kernel for ``key`` (no GPU needed)."""
     import cutlass
@@ -383,19 +411,11 @@ def build_backward(key, keep_artifacts: bool = False):
                                                  tr.dq_warps_m, varlen=key.varlen)
         args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0), *_fake_row_kernel_args(key.varlen))
     elif isinstance(key, BackwardKey):
-        # the SM90 kernels also take the number of SMs (the size of a persistent grid), the
-        # query-head splits of a K/V head (GQA) and (varlen, not causal) the sequences' order,
-        # longest first (interface._longest_first)
-        order = None
-        if key.features.varlen and not key.causal:
-            from cutlass.cute.runtime import make_fake_tensor
-
-            order = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-        sm90 = (cutlass.Int32(132), cutlass.Int32(1), order) if key.kernel == "sm90" else ()
         args = (t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["d"], t["dq_accum"], t["dk"], t["dv"], t["sem"],
-                cutlass.Float32(1.0), cutlass.Float32(1.0), *_fake_feature_args(key.features), *sm90, stream)
+                cutlass.Float32(1.0), cutlass.Float32(1.0), *_fake_feature_args(key.features))
 
         def compile_one(tr, keep):
+            sm90 = _fake_sm90_backward_args(key, tr) if key.kernel == "sm90" else ()
             if key.kernel == "sm90" and tr.swap_dkv:
                 from cute_attn.kernels.sm90 import backward_large
 
@@ -414,7 +434,7 @@ def build_backward(key, keep_artifacts: bool = False):
                     dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_warps, tr.sdp_warps_m, tr.dkv_warps_n,
                     tr.dq_warps_m, key.causal, key.check_hdim, key.deterministic, features=key.features,
                 )
-            return _compile(kernel, *args, target=key.target, keep_artifacts=keep)
+            return _compile(kernel, *args, *sm90, stream, target=key.target, keep_artifacts=keep)
 
         return _first_without_local_memory(key.candidates, compile_one, keep_artifacts)
     else:

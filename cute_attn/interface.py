@@ -763,10 +763,12 @@ def _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, sof
 
 
 def backward_head_splits(num_seqs: int, heads: int, heads_kv: int, kv_blocks: int, max_kv_blocks: int, causal: bool,
-                         num_sms: int) -> int:
+                         num_sms: int, accumulate: bool = False, varlen: bool = False) -> int:
     """In how many CTAs the SM90 backward splits the query heads of one K/V head (GQA): 1 keeps a
     K/V head's query heads in one CTA, which sums their dK and dV in registers; ``s`` > 1 gives
-    each of s CTAs group / s query heads, whose dK and dV the host then sums over the splits.
+    each of s CTAs group / s query heads, whose dK and dV are added into fp32 accumulators
+    (``accumulate``: compile.sm90_split_dkv_fp32, not deterministic) or written per split and
+    summed by the host.
 
     One CTA per K/V block walks the Q blocks of all its query heads, so under causal GQA a
     sequence's K/V block 0 walks group * n_blocks Q-block rows, against an SM's share of the whole
@@ -780,11 +782,17 @@ def backward_head_splits(num_seqs: int, heads: int, heads_kv: int, kv_blocks: in
     causal, 16k tokens, dense and varlen (random lengths 128-4096), splits 1/2/4/8: d128 G8
     (imbalance ~0.95) best at 4 everywhere (varlen +31-37% over 1, dense +6% over 8), d128 G4 and
     d64 G8 (~0.5) at 2 (+2-6%), d64 G4 (~0.25) at 1 (2 lost up to 9% at S 2048, gained 2.5% at
-    S 8192). Non-causal CTAs are alike, and splitting them lost 1-10% (their dK, dV written per
-    split and summed): never split."""
+    S 8192). Non-causal CTAs of one sequence are alike: dense batches never split (d128 G8 8 x
+    2048: 4 splits -8%, 2 x 8192: 2 splits +1%; G4 and d64 lose 1-8%), and neither did varlen ones
+    while the splits' dK, dV were summed by the host (-1% to -10%). With the fp32 accumulators, a
+    varlen batch of group >= 8, whose longest sequences' CTAs walk group x their Q blocks, runs
+    4 splits (H100, 2026-11-26, random lengths 128-4096: d128 G8 +5%, +5%, -1% on three batches,
+    d64 G8 -2% to +1%; G4 lost 1-6%)."""
     group = heads // heads_kv
-    if group == 1 or not causal:
+    if group == 1:
         return 1
+    if not causal:
+        return max(s for s in (1, 2, 4) if group % s == 0) if accumulate and varlen and group >= 8 else 1
     imbalance = 2 * num_sms / max(heads_kv * (kv_blocks + num_seqs), 1)
     target = 1 << max(0, round(math.log2(max(4 * imbalance, 1e-9))))
     if max_kv_blocks >= 64:
@@ -832,21 +840,31 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     scale, scale_log2 = opts.scale, opts.scale_log2
     scalars = opts.kernel_scalars(max_seqlen_k)
     sm90 = main.kernel == "sm90"
-    splits = 1
+    splits, fp32_splits = 1, False
     if sm90:
         # the SM90 kernels also take the number of SMs (a persistent grid's size) and the query-head
         # splits of a K/V head, which follow the shapes alone (varlen: the keys of all sequences and
         # the longest one's stand for the batch's; a window is a local kernel with causal off, its
         # K/V blocks see alike numbers of Q blocks, so it never splits)
         total_keys = k.shape[1] * (1 if varlen else k.shape[0])
+        fp32_splits = compile_mod.sm90_split_dkv_fp32(chosen)
         splits = backward_head_splits(num_seqs, heads, k.shape[2], -(-total_keys // chosen.tile_n),
-                                      -(-max_seqlen_k // chosen.tile_n), opts.causal, plan.num_sms)
+                                      -(-max_seqlen_k // chosen.tile_n), opts.causal, plan.num_sms,
+                                      fp32_splits and not deterministic, varlen)
         scalars = (*scalars, plan.num_sms, splits)
+    # split heads' dK, dV: in fp32 where the kernel takes them (added into accumulators, or,
+    # deterministic, per split), else per split in the input dtype; summed (per split) and rounded
+    # below. Unsplit, such a kernel gets a placeholder it never touches
+    split_heads = k.shape[2] * (splits if deterministic else 1)
+    no_split = torch.empty((2, 1, 1, 1, head_dim), **f32) if fp32_splits and splits == 1 else None
     ordered = sm90 and varlen and not opts.causal  # the sequences' order, longest first, per call
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
-        dk_out, dv_out = dk, dv
-        if splits > 1:  # per-split dK, dV (each K/V head's query heads in ``splits`` CTAs), summed below
+        dk_out, dv_out, dkv_split = dk, dv, no_split
+        if fp32_splits and splits > 1:  # (zeroed: accumulators; per split, the rows of unused keys stay 0)
+            alloc = torch.zeros if not deterministic or seqused_k is not None else torch.empty
+            dkv_split = alloc((2, *k.shape[:-2], split_heads, head_dim), **f32)
+        elif splits > 1:  # per-split dK, dV (each K/V head's query heads in ``splits`` CTAs), summed below
             # (zeroed with seqused_k: the kernel leaves the rows of unused keys unwritten)
             alloc = torch.empty if seqused_k is None else torch.zeros
             dk_out, dv_out = (alloc((*t.shape[:-2], t.shape[-2] * splits, t.shape[-1]), dtype=t.dtype, device=device)
@@ -862,9 +880,14 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
             kernels[0](out, dout, lse, lse_log2, delta, dq_accum, cu_seqlens_q, max_seqlen_q)
             kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk_out, dv_out, sem, scale, scale_log2,
                        cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, *scalars,
-                       *((_longest_first(cu_seqlens_q) if ordered else None,) if sm90 else ()))
+                       *((_longest_first(cu_seqlens_q) if ordered else None, dkv_split) if sm90 else ()))
             kernels[2](dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q)
-            if splits > 1:
+            if fp32_splits and splits > 1:
+                if deterministic:  # the splits' tiles, summed in a fixed order
+                    dkv_split = dkv_split.unflatten(-2, (k.shape[2], splits)).sum(-2)
+                for i, grad in enumerate((dk, dv)):
+                    grad.copy_(dkv_split[i, ..., :grad.shape[-1]])
+            elif splits > 1:
                 for full, parts in ((dk, dk_out), (dv, dv_out)):
                     torch.sum(parts.unflatten(-2, (full.shape[-2], splits)), dim=-2, out=full)
 

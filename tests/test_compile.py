@@ -320,6 +320,14 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
         if bwd_key.deterministic:
             assert "ld.acquire.gpu" in ptx and "st.release.gpu" in ptx, "no semaphore ordering for dQ"
         t = fn.traits
+        # split query heads' fp32 dK, dV (compile.sm90_split_dkv_fp32): TMA reductions into the
+        # shared accumulators, four 32-column boxes of the swizzled fp32 tile per head dim of 128;
+        # deterministic kernels store one tile per split instead
+        reductions = ptx.count("cp.reduce.async.bulk.tensor")
+        if not t.swap_dkv and not bwd_key.deterministic:
+            assert reductions == 2 * -(-t.head_dim // 32), "no TMA reductions of split heads' dK, dV"
+        else:
+            assert reductions == 0
         if t.swap_dkv:
             # S and dP in each warpgroup's keys; dK^T, dV^T with both operands MN-major (the two
             # trailing transpose flags); dK, dV out through stmatrix.trans
@@ -495,4 +503,10 @@ def test_gqa_backward_head_splits_follow_the_measured_rule():
     assert backward_head_splits(1, 16, 1, 64, 64, True, 132) == 16  # MQA, one sequence: every head
     assert backward_head_splits(8, 12, 2, 128, 16, True, 132) == 3  # group 6: a divisor of it
     assert backward_head_splits(2, 16, 2, 128, 64, False, 132) == 1  # non-causal: CTAs alike
+    # non-causal varlen G >= 8 with fp32 dK/dV accumulators: 4 splits (the longest sequences' CTAs)
+    assert backward_head_splits(8, 16, 2, 128, 32, False, 132, accumulate=True, varlen=True) == 4
+    assert backward_head_splits(8, 16, 2, 128, 32, False, 132, accumulate=False, varlen=True) == 1
+    assert backward_head_splits(8, 16, 2, 128, 16, False, 132, accumulate=True, varlen=False) == 1  # dense
+    assert backward_head_splits(8, 16, 4, 128, 32, False, 132, accumulate=True, varlen=True) == 1  # G4
+    assert backward_head_splits(8, 24, 2, 128, 32, False, 132, accumulate=True, varlen=True) == 4  # G12
     assert backward_head_splits(2, 16, 16, 128, 64, True, 132) == 1  # MHA: nothing to split

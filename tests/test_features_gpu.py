@@ -204,17 +204,39 @@ def test_varlen_many_sequences(causal, num_seqs):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_varlen_gqa_backward_head_splits(head_dim, monkeypatch):
-    """Causal varlen GQA: the SM90 backward's query heads of a K/V head split over CTAs (per-split
-    dK, dV summed by the host; interface.backward_head_splits) and kept in one CTA give gradients
-    within the same criterion, sequences of lengths 0 ... 1000 and seqlen_q != seqlen_k among them."""
+@pytest.mark.parametrize("causal,deterministic", [(True, False), (False, False), (True, True)])
+def test_varlen_gqa_backward_head_splits(head_dim, causal, deterministic, monkeypatch):
+    """Varlen GQA: the SM90 backward's query heads of a K/V head split over CTAs
+    (interface.backward_head_splits; dK, dV in fp32, added into accumulators, or, deterministic,
+    one tile per split summed by the host) and kept in one CTA give gradients within the same criterion,
+    sequences of lengths 0 ... 1000 and seqlen_q != seqlen_k among them; with seqused_k, the rows
+    of unused keys stay zero."""
     from cute_attn import interface
 
-    for splits in ("group", 1):
-        monkeypatch.setattr(interface, "backward_head_splits",
-                            lambda batch, heads, heads_kv, *rest: heads // heads_kv if splits == "group" else 1)
+    for splits in ("group", 2, 1):
+        forced = (lambda batch, heads, heads_kv, *rest, **kw: heads // heads_kv) if splits == "group" \
+            else (lambda *args, splits=splits, **kw: splits)
+        monkeypatch.setattr(interface, "backward_head_splits", forced)
+        monkeypatch.setattr(interface, "_BACKWARD_LAUNCHES", {})
         q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 8, 2, head_dim, torch.bfloat16)
-        check_varlen(q, k, v, cu_q, cu_k, True, {}, f"varlen GQA d={head_dim} splits={splits}")
+        case = f"varlen GQA d={head_dim} causal={causal} det={deterministic} splits={splits}"
+        check_varlen(q, k, v, cu_q, cu_k, causal, {}, case, deterministic=deterministic)
+        if splits == "group" and not deterministic:
+            used = torch.tensor([3, 1, 100, 0, 0, 999, 64, 64], dtype=torch.int32, device="cuda")
+            check_varlen(q, k, v, cu_q, cu_k, causal, {"seqused_k": used}, case + " seqused_k")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_gqa_backward_head_splits(causal, monkeypatch):
+    """Dense GQA with odd lengths (seqlen_q != seqlen_k, neither a multiple of the block): the
+    split heads' fp32 dK/dV accumulation skips the rows past seqlen_k."""
+    from cute_attn import interface
+
+    monkeypatch.setattr(interface, "backward_head_splits",
+                        lambda batch, heads, heads_kv, *rest, **kw: heads // heads_kv)
+    monkeypatch.setattr(interface, "_BACKWARD_LAUNCHES", {})
+    q, k, v = random_qkv(2, 129, 1000, 8, 2, 128, torch.bfloat16)
+    check_dense(q, k, v, causal, {}, f"dense GQA split causal={causal}")
 
 
 def test_varlen_noncausal_d64_backward():

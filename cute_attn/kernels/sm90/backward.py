@@ -8,7 +8,11 @@ memory and dK, dV in registers, and walks every Q block of every query head that
 head (GQA/MQA: dK and dV are summed in registers), from the first Q block that sees any of its
 keys (causal) to the last. With ``head_splits`` > 1 (a run-time value: causal GQA where one CTA
 per K/V block would run long and unbalanced, ``interface.backward_head_splits``) the grid's y is
-(K/V head, split) and each CTA walks its share of the query heads, writing dK, dV per split.
+(K/V head, split) and each CTA walks its share of the query heads. Its dK and dV then leave in fp32
+through ``mdKV_split`` (staged in K's and V's buffers): added by TMA reductions into accumulators
+every split of a K/V head shares or, deterministic, stored per split for the host to sum in a fixed
+order (either way rounded to the input dtype once, on the host). backward_large.py's kernel writes
+them per split in the input dtype.
 With ``longest_first`` (traits: d128 plain causal) the CTAs run K/V block 0 of each head of an
 L2-sized section first, then block 1, ... (``tile_scheduler.section_coords``).
 Per Q block, recomputing attention from the saved LSE:
@@ -261,10 +265,17 @@ class FlashAttentionBackwardSm90:
         window_right: Int32,
         softcap_scale: Float32,  # softcap: softmax_scale / softcap
         num_sms: Int32,  # CTAs of a persistent grid
-        head_splits: Int32,  # > 1: the query heads of a K/V head in this many CTAs (mdK, mdV per split)
+        head_splits: Int32,  # > 1: the query heads of a K/V head in this many CTAs (see mdKV_split)
         mSeqOrder: cute.Tensor | None,  # varlen, not causal: (batch,) int32, the sequences longest first
+        # (2, batch, seqlen_k, heads, head_dim_padded) fp32, the dK (scaled) and dV of split heads
+        # (head_splits > 1; mdK, mdV are then left alone): zeroed accumulators of the heads_kv K/V heads
+        # that every split adds to, or, deterministic, heads_kv * head_splits heads, one per split.
+        # None: dK, dV per split in mdK, mdV (heads_kv * head_splits heads; dK^T/dV^T accumulators)
+        mdKV_split: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
+        assert mdKV_split is None or not self.dkv_transposed, "fp32 dK, dV of split heads: dK, dV accumulators"
+
         varlen = const_expr(self.features.varlen)
         num_batches = mCuSeqlensQ.shape[0] - 1 if varlen else mQ.shape[0]
         num_n_blocks = cute.ceil_div(max_seqlen_k if varlen else mK.shape[1], self.tile_n)
@@ -288,6 +299,16 @@ class FlashAttentionBackwardSm90:
         atom_V, tma_V = cpasync.make_tiled_tma_atom(load, mV, sKV_layout, (n, d))
         atom_dK, tma_dK = cpasync.make_tiled_tma_atom(store, mdK, sKV_layout, (n, d))
         atom_dV, tma_dV = cpasync.make_tiled_tma_atom(store, mdV, sKV_layout, (n, d))
+        split_out = (None, None, None, None)  # split heads' fp32 dK and dV and their TMA reductions / stores
+        if const_expr(mdKV_split is not None):
+            op = store if const_expr(self.deterministic) else cpasync.CopyReduceBulkTensorTileS2GOp()
+            split_out = ()
+            for i in cutlass.range_constexpr(2):
+                mX = mdKV_split[i, None, None, None, None]
+                mX = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
+                atom, tma = cpasync.make_tiled_tma_atom(op, ragged_view(mX) if const_expr(varlen) else mX,
+                                                        self._split_layout(), (n, d))
+                split_out += (tma, atom)
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
 
         @cute.struct
@@ -312,7 +333,7 @@ class FlashAttentionBackwardSm90:
             softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left,
             window_right, softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
             sQ_layout, sdO_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
-            num_n_blocks, num_batches, head_splits, mSeqOrder,
+            num_n_blocks, num_batches, head_splits, mSeqOrder, *split_out,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -362,11 +383,18 @@ class FlashAttentionBackwardSm90:
         num_batches: Int32,
         head_splits: Int32,
         mSeqOrder: cute.Tensor | None,
+        mdK_split: cute.Tensor | None,  # TMA views, (seqlen, head_dim, heads, batch) fp32
+        atom_dK_split: cute.CopyAtom | None,
+        mdV_split: cute.Tensor | None,
+        atom_dV_split: cute.CopyAtom | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(atom_dK_split is not None):
+                cpasync.prefetch_descriptor(atom_dK_split)
+                cpasync.prefetch_descriptor(atom_dV_split)
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         # Pipelines: a full barrier completes when TMA has written a stage's bytes, an empty
@@ -402,7 +430,8 @@ class FlashAttentionBackwardSm90:
         window_left = window_left if const_expr(self.features.local) else None
         window_right = window_right if const_expr(self.features.local) else None
         role_args = (
-            warp_idx, mQ, mK, mV, mdO, mdK, mdV, mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
+            warp_idx, mQ, mK, mV, mdO, (mdK, mdV, (mdK_split, mdV_split, atom_dK_split, atom_dV_split)),
+            mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
             sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
             mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2,
             window_left, window_right, softcap_scale,
@@ -427,7 +456,7 @@ class FlashAttentionBackwardSm90:
                 roles()
 
     @cute.jit
-    def _persistent_roles(self, warp_idx, mQ, mK, mV, mdO, mdK, mdV, mLSE_log2, mD, mdQ_accum, mSemaphore,
+    def _persistent_roles(self, warp_idx, mQ, mK, mV, mdO, dkv_out, mLSE_log2, mD, mdQ_accum, mSemaphore,
                           mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_Q, atom_K, atom_V, atom_dO, atom_dK,
                           atom_dV, mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
                           softmax_scale_log2, window_left, window_right, softcap_scale, work_of, grid_shape):
@@ -464,7 +493,7 @@ class FlashAttentionBackwardSm90:
             while cta < num_ctas:
                 work = work_of(self._grid_coords(cta, num_n, heads_kv), grid_shape)
                 if self._has_keys(work):
-                    states = self._mma(mdK, mdV, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV,
+                    states = self._mma(dkv_out, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV,
                                        mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
                                        softmax_scale_log2, window_left, window_right, softcap_scale, work, states)
                 cta += stride
@@ -489,7 +518,7 @@ class FlashAttentionBackwardSm90:
         return True
 
     @cute.jit
-    def _roles(self, warp_idx, mQ, mK, mV, mdO, mdK, mdV, mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
+    def _roles(self, warp_idx, mQ, mK, mV, mdO, dkv_out, mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
                sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
                mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2,
                window_left, window_right, softcap_scale, work):
@@ -503,7 +532,7 @@ class FlashAttentionBackwardSm90:
                 self._write_dq(mdQ_accum, mSemaphore, sdQ, window_left, work)
         else:
             cute.arch.setmaxregister_increase(MMA_REGISTERS)
-            self._mma(mdK, mdV, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
+            self._mma(dkv_out, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
                       mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
                       softcap_scale, work)
 
@@ -512,12 +541,14 @@ class FlashAttentionBackwardSm90:
               cta_coords, grid_shape, head_splits: Int32, mSeqOrder=None):
         """The K/V block, K/V head and sequence of the CTA at ``cta_coords`` of a (K/V blocks,
         K/V heads x head_splits, batch) grid, and the Q blocks it visits: (n_block, head of dK and
-        dV, seq, first query head, query heads, first Q block, Q blocks per head, K/V head). Every
-        role walks the same (head, Q block) sequence. ``head_splits`` > 1 (GQA): split s of K/V head h takes
-        the s-th share of h's query heads, and its dK, dV go to head h * head_splits + s of
-        per-split dK, dV tensors, which the host sums. ``mSeqOrder`` (non-causal varlen): grid
-        batch index b runs sequence mSeqOrder[b], so the hardware, which starts CTAs in grid
-        order, starts the longest sequences' (longest) CTAs first and ends on short ones."""
+        dV, seq, first query head, query heads, first Q block, Q blocks per head, K/V head, whether
+        the K/V head's query heads are split). Every role walks the same (head, Q block) sequence.
+        ``head_splits`` > 1 (GQA): split s of K/V head h takes the s-th share of h's query heads;
+        its dK, dV go to ``mdKV_split`` (added into head h, or, deterministic, head h * head_splits
+        + s) or, without one, to head h * head_splits + s of per-split dK, dV in the input dtype;
+        the host sums the per-split ones. ``mSeqOrder`` (non-causal varlen): grid batch index b
+        runs sequence mSeqOrder[b], so the hardware, which starts CTAs in grid order, starts the
+        longest sequences' (longest) CTAs first and ends on short ones."""
         n_block, head_dkv, batch = cta_coords
         group_all = mQ.shape[2] // mK.shape[2]  # query heads per K/V head
         group = group_all // head_splits  # ... per CTA
@@ -538,7 +569,7 @@ class FlashAttentionBackwardSm90:
         m_min, m_max, _, _ = block_info.backward_walk(n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
                                                       self.causal, window_left, window_right)
         num_m = cutlass.max(m_max - m_min, 0)
-        return n_block, head_dkv, seq, head0, group, m_min, num_m, head_kv
+        return n_block, head_dkv, seq, head0, group, m_min, num_m, head_kv, head_splits > 1
 
     # ------------------------------------------------------------------ producer warp
     @cute.jit
@@ -548,7 +579,7 @@ class FlashAttentionBackwardSm90:
         Persistent (``states``: the pipeline states, returned advanced): K and V after the first Q
         block's loads, which may then arrive while the previous K/V block's dK and dV still occupy
         K's and V's buffers."""
-        n_block, _, seq, head0, group, m_min, num_m, head_kv = work
+        n_block, _, seq, head0, group, m_min, num_m, head_kv, _ = work
         b = seq.tensor_batch
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
         kv_state, q_state, do_state = self._pipeline_states(pipeline.PipelineUserType.Producer) \
@@ -614,7 +645,7 @@ class FlashAttentionBackwardSm90:
         chunk's buffer is handed back to its warpgroup once the previous reduction has read it.
         ``last``: this CTA's last K/V block (wait for the reductions to read shared memory before
         the CTA ends)."""
-        n_block, _, seq, head0, group, m_min, num_m, _ = work
+        n_block, _, seq, head0, group, m_min, num_m, _, _ = work
         lane = cute.arch.lane_idx()
         part_elems = self.tile_m * self.head_dim // NUM_MMA_WARPGROUPS // self.dq_parts
         for g in cutlass.range(group, unroll=1):
@@ -662,12 +693,13 @@ class FlashAttentionBackwardSm90:
 
     # ------------------------------------------------------------------ MMA warpgroups
     @cute.jit
-    def _mma(self, mdK, mdV, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
+    def _mma(self, dkv_out, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
              mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
              softcap_scale, work, states=None):
         """One K/V block. Persistent (``states``: the pipeline states, returned advanced): K's and
         V's stage is released once dK and dV have left their buffers."""
-        n_block, head_dkv, seq, head0, group, m_min, num_m, _ = work
+        n_block, head_dkv, seq, head0, group, m_min, num_m, head_kv, split = work
+        mdK, mdV, split_out = dkv_out
         tidx, wg, (wg_sdp, wg_dkv, wg_dq), (thr_sdp, thr_dkv, thr_dq) = mma_thread_slices(mma_sdp, mma_dkv, mma_dq)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
@@ -706,8 +738,17 @@ class FlashAttentionBackwardSm90:
         states = self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2,
                                      states)
         # (a K/V block that no query sees still stores its dK = dV = 0)
-        self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
-                       n_block, head_dkv, seq)
+        epilogue = partial(self._epilogue, acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx,
+                           softmax_scale, n_block, head_dkv, seq)
+        if const_expr(split_out[0] is not None):
+            if split:
+                # deterministic: one fp32 tile per split (stored); otherwise added into the K/V head's
+                self._write_split_dkv(acc_dK, acc_dV, split_out, sQ, sK, mma_dkv, tidx, softmax_scale, n_block,
+                                      head_dkv if const_expr(self.deterministic) else head_kv, seq)
+            else:
+                epilogue()
+        else:
+            epilogue()
         if const_expr(self.persistent):
             kv_state, q_state, do_state = states
             # thread 0 has waited for the dK/dV stores to read K's and V's buffers
@@ -832,6 +873,47 @@ class FlashAttentionBackwardSm90:
         thread, indexed by column."""
         rows_of_one = cute.make_tensor(sRow[None, stage].iterator, cute.make_layout((self.tile_n, self.tile_m), stride=(0, 1)))
         return acc_to_rows_cols(thr_sdp.partition_C(rows_of_one))[0, None]
+
+    def _split_layout(self):
+        """dK's or dV's fp32 tile in shared memory: as many bytes as K's and V's buffers together
+        (they follow each other in ``SharedStorage``, as do Q's and dO's), swizzled for TMA."""
+        return common.smem_layout(Float32, self.tile_n, self.head_dim)
+
+    @cute.jit
+    def _write_split_dkv(self, acc_dK, acc_dV, split_out, sQ, sK, mma_dkv, tidx, softmax_scale, n_block, head,
+                         seq: SeqlenInfo):
+        """A split's dK * softmax_scale and its dV in fp32 to head ``head`` of ``mdKV_split``: staged
+        in shared memory, then TMA reductions (``.add.f32``: the additions land in any order) or,
+        deterministic, TMA stores, which clip rows past the sequence's keys (varlen: through the
+        ragged view). One CTA per K/V block: dK over Q's and dO's buffers (the producer loads no
+        further Q block) and dV over K's and V's, both at once; persistent, the producer may
+        already load the next K/V block's Q blocks, so dK and dV take turns in K's and V's."""
+        mdK_split, mdV_split, atom_dK_split, atom_dV_split = split_out
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        layout = self._split_layout()
+        buffer = lambda s: cute.make_tensor(cute.recast_ptr(s.iterator, layout.inner, dtype=Float32), layout.outer)
+        at_once = const_expr(not self.persistent and (self.q_stages + self.do_stages) * self.tile_m >= 2 * self.tile_n)
+        tiles = ((acc_dK, atom_dK_split, mdK_split, buffer(sQ if at_once else sK)),
+                 (acc_dV, atom_dV_split, mdV_split, buffer(sK)))
+        copy = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
+                                      mma_dkv).get_slice(tidx)
+        barrier = partial(cute.arch.barrier, barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+        tile = (self.tile_n, self.head_dim)
+        for turn in ((tiles,) if at_once else ((tiles[0],), (tiles[1],))):
+            barrier()  # K and V read by both warpgroups (in turns, dV: dK's copy has read the buffer)
+            for acc, _, _, sX in turn:
+                cute.copy(copy, copy.retile(acc), copy.partition_D(sX))
+            cute.arch.fence_view_async_shared()
+            barrier()
+            # (a whole warp: the copy elects one lane itself, with elect.sync over the warp)
+            if cute.arch.make_warp_uniform(tidx // 32) == 0:
+                for _, atom, mX, sX in turn:
+                    rows = ragged_rows(mX, seq.offset_k, seq.seqlen_k) if const_expr(self.features.varlen) else mX
+                    gX = cute.local_tile(rows[None, None, head, seq.tensor_batch], tile, (n_block, 0))
+                    tXsX, tXgX = common.tma_tiles(atom, gX, sX)
+                    cute.copy(atom, tXsX, tXgX)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,

@@ -147,10 +147,11 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
 
     # ------------------------------------------------------------------ MMA warpgroups
     @cute.jit
-    def _mma(self, mdK, mdV, mAlibiSlopes, sQ, sK, sV, sdO, sPdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
+    def _mma(self, dkv_out, mAlibiSlopes, sQ, sK, sV, sdO, sPdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
              mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
              softcap_scale, work):
-        n_block, head_dkv, seq, head0, group, m_min, num_m, _ = work
+        n_block, head_dkv, seq, head0, group, m_min, num_m, _, _ = work
+        mdK, mdV, _ = dkv_out  # (no fp32 accumulators: dK^T, dV^T per split)
         tidx, wg, (wg_sdp, wg_dkv, wg_dq), (thr_sdp, thr_dkv, thr_dq) = mma_thread_slices(mma_sdp, mma_dkv, mma_dq)
         tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
         tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
