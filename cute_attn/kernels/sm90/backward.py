@@ -6,10 +6,10 @@ The preprocess (D = rowsum(dO * O), LSE in log2, the dQ accumulator zeroed) is t
 Grid: one CTA per (K/V block of ``tile_n`` keys, K/V head, batch). The CTA keeps K and V in shared
 memory and dK, dV in registers, and walks every Q block of every query head that reads its K/V
 head (GQA/MQA: dK and dV are summed in registers), from the first Q block that sees any of its
-keys (causal) to the last. With ``head_splits`` > 1 (a run-time value: causal GQA where one CTA
-per K/V block would run long and unbalanced, ``interface.backward_head_splits``) the grid's y is
-(K/V head, split) and each CTA walks its share of the query heads. Its dK and dV then leave in fp32
-through ``mdKV_split`` (staged in K's and V's buffers): added by TMA reductions into accumulators
+keys (causal) to the last. With ``head_splits`` > 1 (a run-time value: GQA where one CTA per K/V
+block would run long and unbalanced, ``interface.backward_head_splits``) the grid's y is (K/V
+head, split) and each CTA walks its share of the query heads. Its dK and dV then leave in fp32
+through ``mdKV_split`` (staged in shared memory): added by TMA reductions into accumulators
 every split of a K/V head shares or, deterministic, stored per split for the host to sum in a fixed
 order (either way rounded to the input dtype once, on the host). backward_large.py's kernel writes
 them per split in the input dtype.
@@ -751,7 +751,7 @@ class FlashAttentionBackwardSm90:
             epilogue()
         if const_expr(self.persistent):
             kv_state, q_state, do_state = states
-            # thread 0 has waited for the dK/dV stores to read K's and V's buffers
+            # the dK/dV stores' issuing thread has waited for them to read K's and V's buffers
             cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.num_mma_threads)
             common.release_stage(pipe_kv, kv_state)
             kv_state.advance()
