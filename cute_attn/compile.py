@@ -363,9 +363,11 @@ def _fake_row_kernel_args(varlen: bool) -> tuple:
 def sm90_split_dkv_fp32(traits: Sm90BackwardTraits) -> bool:
     """Whether an SM90 backward variant writes the dK, dV of split query heads in fp32
     (``mdKV_split``: added into shared accumulators, or, deterministic, one tile per split),
-    rounded once on the host: every variant but the large head dims' (their dK^T, dV^T
-    accumulators, backward_large.py), which write them per split in the input dtype."""
-    return not traits.swap_dkv
+    rounded once on the host. Not the large head dims' kernel (dK^T, dV^T accumulators,
+    backward_large.py) nor the persistent grids (d32/d64 non-causal, which never split by the
+    rule: with the fp32 path compiled in, the d64 one spilled and fell back to one CTA per K/V
+    block, 4-7% slower): those write split heads per split in the input dtype."""
+    return not traits.swap_dkv and not traits.persistent
 
 
 def _fake_sm90_backward_args(key: "BackwardKey", traits: Sm90BackwardTraits) -> tuple:

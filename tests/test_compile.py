@@ -15,6 +15,7 @@ from cute_attn.compile import (
     build_forward,
     forward_key,
     forward_variants,
+    sm90_split_dkv_fp32,
 )
 from cute_attn.kernels.features import Features
 from cute_attn.traits import (
@@ -324,7 +325,7 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
         # shared accumulators, four 32-column boxes of the swizzled fp32 tile per head dim of 128;
         # deterministic kernels store one tile per split instead
         reductions = ptx.count("cp.reduce.async.bulk.tensor")
-        if not t.swap_dkv and not bwd_key.deterministic:
+        if sm90_split_dkv_fp32(t) and not bwd_key.deterministic:
             assert reductions == 2 * -(-t.head_dim // 32), "no TMA reductions of split heads' dK, dV"
         else:
             assert reductions == 0

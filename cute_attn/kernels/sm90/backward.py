@@ -11,8 +11,8 @@ block would run long and unbalanced, ``interface.backward_head_splits``) the gri
 head, split) and each CTA walks its share of the query heads. Its dK and dV then leave in fp32
 through ``mdKV_split`` (staged in shared memory): added by TMA reductions into accumulators
 every split of a K/V head shares or, deterministic, stored per split for the host to sum in a fixed
-order (either way rounded to the input dtype once, on the host). backward_large.py's kernel writes
-them per split in the input dtype.
+order (either way rounded to the input dtype once, on the host). backward_large.py's kernel and
+the persistent grids write them per split in the input dtype (``compile.sm90_split_dkv_fp32``).
 With ``longest_first`` (traits: d128 plain causal) the CTAs run K/V block 0 of each head of an
 L2-sized section first, then block 1, ... (``tile_scheduler.section_coords``).
 Per Q block, recomputing attention from the saved LSE:
