@@ -786,8 +786,9 @@ def backward_head_splits(num_seqs: int, heads: int, heads_kv: int, kv_blocks: in
     2048: 4 splits -8%, 2 x 8192: 2 splits +1%; G4 and d64 lose 1-8%), and neither did varlen ones
     while the splits' dK, dV were summed by the host (-1% to -10%). With the fp32 accumulators, a
     varlen batch of group >= 8, whose longest sequences' CTAs walk group x their Q blocks, runs
-    4 splits (H100, 2026-11-26, random lengths 128-4096: d128 G8 +5%, +5%, -1% on three batches,
-    d64 G8 -2% to +1%; G4 lost 1-6%)."""
+    4 splits (H100, 2026-11-26, random lengths 128-4096: d128 G8 +5%, +5%, -1% on three batches;
+    in a first version that added from registers, d64 G8 -2% to +1% and G4 -1% to -6%; with the
+    rule, the bench's batch: d128 G8 465 -> 509 TFLOP/s, d64 G8 451 -> 455)."""
     group = heads // heads_kv
     if group == 1:
         return 1
@@ -855,16 +856,17 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     # split heads' dK, dV: in fp32 where the kernel takes them (added into accumulators, or,
     # deterministic, per split), else per split in the input dtype; summed (per split) and rounded
     # below. Unsplit, such a kernel gets a placeholder it never touches
+    split_fp32, split_in_dtype = fp32_splits and splits > 1, not fp32_splits and splits > 1
     split_heads = k.shape[2] * (splits if deterministic else 1)
     no_split = torch.empty((2, 1, 1, 1, head_dim), **f32) if fp32_splits and splits == 1 else None
     ordered = sm90 and varlen and not opts.causal  # the sequences' order, longest first, per call
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         dk_out, dv_out, dkv_split = dk, dv, no_split
-        if fp32_splits and splits > 1:  # (zeroed: accumulators; per split, the rows of unused keys stay 0)
+        if split_fp32:  # (zeroed: accumulators; per split, the rows of unused keys stay 0)
             alloc = torch.zeros if not deterministic or seqused_k is not None else torch.empty
             dkv_split = alloc((2, *k.shape[:-2], split_heads, head_dim), **f32)
-        elif splits > 1:  # per-split dK, dV (each K/V head's query heads in ``splits`` CTAs), summed below
+        elif split_in_dtype:  # per-split dK, dV (each K/V head's query heads in ``splits`` CTAs), summed below
             # (zeroed with seqused_k: the kernel leaves the rows of unused keys unwritten)
             alloc = torch.empty if seqused_k is None else torch.zeros
             dk_out, dv_out = (alloc((*t.shape[:-2], t.shape[-2] * splits, t.shape[-1]), dtype=t.dtype, device=device)
@@ -882,12 +884,12 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
                        cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, *scalars,
                        *((_longest_first(cu_seqlens_q) if ordered else None, dkv_split) if sm90 else ()))
             kernels[2](dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q)
-            if fp32_splits and splits > 1:
+            if split_fp32:
                 if deterministic:  # the splits' tiles, summed in a fixed order
                     dkv_split = dkv_split.unflatten(-2, (k.shape[2], splits)).sum(-2)
                 for i, grad in enumerate((dk, dv)):
                     grad.copy_(dkv_split[i, ..., :grad.shape[-1]])
-            elif splits > 1:
+            elif split_in_dtype:
                 for full, parts in ((dk, dk_out), (dv, dv_out)):
                     torch.sum(parts.unflatten(-2, (full.shape[-2], splits)), dim=-2, out=full)
 
