@@ -112,6 +112,8 @@ def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capa
     padded = padded_head_dim(head_dim)
     if isinstance(traits, tuple):  # SM80 candidates (the decode traits)
         kernel, candidates = "sm80", traits
+        # a paged cache's short K/V blocks may need a wider head dim (traits._load_rows_fit)
+        padded = max(padded, *(t.head_dim for t in candidates))
     elif traits is not None:
         kernel, candidates = ("sm90" if isinstance(traits, Sm90ForwardTraits) else "sm80"), (traits,)
         if smem_capacity and traits.smem_bytes() > smem_capacity:

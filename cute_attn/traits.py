@@ -220,10 +220,30 @@ def sm80_decode_traits(head_dim: int, smem_capacity: int | None = None, page_siz
     candidates = SM80_DECODE[padded_head_dim(head_dim)] if spec is None else (parse_traits(spec, head_dim),)
     if page_size:
         largest_pow2 = page_size & -page_size
-        candidates = tuple(replace(t, tile_n=min(t.tile_n, largest_pow2)) for t in candidates)
+        candidates = tuple(_load_rows_fit(replace(t, tile_n=min(t.tile_n, largest_pow2))) for t in candidates)
     if smem_capacity:
         candidates = tuple(fit_to_smem(t, smem_capacity) for t in candidates)
     return tuple(dict.fromkeys(candidates))
+
+
+def sm80_load_rows(head_dim: int, num_warps: int) -> int:
+    """Rows one pass of the SM80-family kernels' 128-bit global <-> shared copies covers: its
+    threads span a shared-memory atom's row (64 columns, or 32 where the head dim is not a multiple
+    of 64) 8 elements each, and go down the rows. A plain-Python mirror of
+    kernels/sm80/common.copy_rows_per_pass (importing the DSL here would slow every import), which
+    the SM80 forward asserts."""
+    atom_cols = 64 if head_dim % 64 == 0 else 32
+    return 32 * num_warps // (atom_cols // 8)
+
+
+def _load_rows_fit(t: ForwardTraits) -> ForwardTraits:
+    """A paged cache's K/V blocks can be as short as 16 keys (pages of 16, 48, 80... keys), fewer
+    than one pass of the K/V copy at head dims with 32-column atoms (32, 96 and those padded to
+    them: 32 rows a pass). Those are then built for the next multiple of 64 (16 rows a pass); the
+    extra columns are zero-filled in shared memory and never read from the cache."""
+    if t.tile_n % sm80_load_rows(t.head_dim, t.num_warps):
+        return replace(t, head_dim=-(-t.head_dim // 64) * 64)
+    return t
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -221,17 +221,21 @@ def test_append(page_size, causal):
 
 # 48 and 192 keys: pages of 3 K/V blocks (16 and 64 keys), so the kernel's page index is a true
 # division by blocks per page, not a shift
-@pytest.mark.parametrize("page_size", [16, 48, 64, 192, 256])
-def test_paged_equals_contiguous(page_size):
+# d32 / d72 / d96 (32-column shared-memory atoms) at 16-key blocks: the kernel is built for the next
+# multiple of 64 columns (a copy pass of 32 rows wrote past a 16-row block: an illegal address,
+# found by test_fuzz_gpu.py)
+@pytest.mark.parametrize("page_size,head_dim", [(16, 128), (48, 128), (64, 128), (192, 128), (256, 128),
+                                                (16, 96), (48, 72), (16, 32), (64, 96)])
+def test_paged_equals_contiguous(page_size, head_dim):
     """The same cache contiguous and paged through a shuffled block table (pages beyond those of the
     sequences in the pool): both match the reference, each other, and the caches after the append
     hold the same rows."""
     capacity, batch = 1024 // page_size * page_size, 4
     for seqlen_q, causal in [(1, False), (4, True), (17, False)]:
-        q, k_cache, v_cache, k, v = decode_inputs(batch, seqlen_q, 32, 8, 128, capacity, BF16, seqlen_q)
+        q, k_cache, v_cache, k, v = decode_inputs(batch, seqlen_q, 32, 8, head_dim, capacity, BF16, seqlen_q)
         k_paged, v_paged, table = to_paged(k_cache, v_cache, page_size)
         lengths = cache_lengths(batch, capacity, seqlen_q)
-        case = f"page={page_size} sq={seqlen_q} causal={causal} lens={lengths.tolist()}"
+        case = f"page={page_size} d={head_dim} sq={seqlen_q} causal={causal} lens={lengths.tolist()}"
         dense, dense_lse, same = check_kvcache(q, k_cache, v_cache, case + " contiguous", k, v,
                                                cache_seqlens=lengths, causal=causal)
         paged, paged_lse, _ = check_kvcache(q, k_paged, v_paged, case + " paged", k, v, cache_seqlens=lengths,

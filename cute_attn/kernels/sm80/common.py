@@ -18,10 +18,22 @@ from cutlass.cute.nvgpu import cpasync, warp
 COPY_BITS = 128
 
 
+def atom_columns(head_dim: int) -> int:
+    """Columns of a shared-memory atom row (``smem_layout_atom``): 64, or 32 where the head dim is
+    not a multiple of 64."""
+    return 64 if head_dim % 64 == 0 else 32
+
+
+def copy_rows_per_pass(dtype: Type[cutlass.Numeric], head_dim: int, num_threads: int) -> int:
+    """Rows one pass of ``gmem_tiled_copy`` covers: a tile must hold whole passes, or the threads
+    past its last row would write shared memory beyond it (traits._load_rows_fit)."""
+    return num_threads // (atom_columns(head_dim) // (COPY_BITS // dtype.width))
+
+
 def smem_layout_atom(dtype: Type[cutlass.Numeric], head_dim: int) -> cute.ComposedLayout:
     """8 rows x 64 (or 32) columns, XOR-swizzled so that both the row-wise ``cp.async`` writes and
     the column-wise ``ldmatrix`` reads of 8 rows hit 8 different 16-byte bank groups."""
-    cols = 64 if head_dim % 64 == 0 else 32
+    cols = atom_columns(head_dim)
     swizzle_bits = 3 if cols == 64 else 2
     # Swizzle<B, 3, 3>: permute 16-byte chunks (3 low bits = 8 fp16) within 2^B chunks of a row.
     return cute.make_composed_layout(
@@ -36,7 +48,7 @@ def gmem_tiled_copy(dtype, head_dim: int, num_threads: int, asynchronous: bool, 
     down the rows."""
     elems = COPY_BITS // dtype.width
     if cols is None:
-        cols = 64 if head_dim % 64 == 0 else 32
+        cols = atom_columns(head_dim)
     threads_per_row = cols // elems
     op = (
         cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)

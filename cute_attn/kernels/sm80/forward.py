@@ -67,6 +67,8 @@ class FlashAttentionForwardSm80:
     ):
         assert tile_m % (16 * num_warps) == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
         assert num_stages in (1, 2)
+        rows = common.copy_rows_per_pass(dtype, head_dim, num_warps * 32)
+        assert tile_m % rows == 0 and tile_n % rows == 0, f"tiles of whole {rows}-row copy passes, got {tile_m}x{tile_n}"
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
