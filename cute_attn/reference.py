@@ -99,12 +99,19 @@ def attention_backward_reference(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    round_operands: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in float64, written out as FlashAttention's backward computes them:
     dS = P * (dP - D) with D = rowsum(dO * O). With ``round_out`` O is first rounded to q's dtype,
     because the backward reads the O the forward stored. In a row that sees few keys dP - D cancels,
     and the rounding of O alone then moves a gradient element by several units in its last place,
-    which autograd through ``attention_reference`` (it never rounds O) does not show."""
+    which autograd through ``attention_reference`` (it never rounds O) does not show.
+    ``round_operands``: P and dS also rounded to q's dtype before the products that take them
+    (dV = P^T dO, dK = dS^T Q, dQ = dS K), as every FlashAttention kernel feeds its tensor cores;
+    in those few-key rows that rounding of dS alone can move dq and dk by a few units too.
+    ``out``: the O to compute D from (a kernel's forward output, which the backward reads), in
+    place of the reference's own (rounded per ``round_out``)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -114,21 +121,28 @@ def attention_backward_reference(
     scores, tanh = _scores(qd, kd, scale, seqlen_q, seqlen_k, causal, tuple(window_size), softcap, alibi_slopes)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0)).nan_to_num(0.0)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
-    if round_out:
-        out = out.to(q.dtype).double()
-    return _flash_gradients(probs, out, qd, kd, vd, dod, scale, heads_kv, tanh)
+    if out is not None:
+        out = out.double()
+    else:
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
+        if round_out:
+            out = out.to(q.dtype).double()
+    return _flash_gradients(probs, out, qd, kd, vd, dod, scale, heads_kv, tanh,
+                            operand_dtype=q.dtype if round_operands else None)
 
 
-def _flash_gradients(probs, out, qd, kd, vd, dod, scale, heads_kv, tanh=None):
+def _flash_gradients(probs, out, qd, kd, vd, dod, scale, heads_kv, tanh=None, operand_dtype=None):
     """FlashAttention's backward from P (batch, heads, seqlen_q, seqlen_k) and O, all float64, K/V
     already repeated per query head: D = rowsum(dO * O), dS = P * (dP - D) (through the softcap's
-    tanh when given); dK and dV summed over each K/V head's group of query heads."""
+    tanh when given); dK and dV summed over each K/V head's group of query heads. ``operand_dtype``:
+    P and dS rounded to it before the products that take them."""
     batch, seqlen_k, heads, head_dim = kd.shape
     delta = (dod * out).sum(-1).transpose(1, 2)  # (batch, heads, seqlen_q)
     dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dod, vd) - delta[..., None])
     if tanh is not None:  # through softcap * tanh(s / softcap)
         dscores = dscores * (1 - tanh * tanh)
+    if operand_dtype is not None:
+        probs, dscores = (t.to(operand_dtype).double() for t in (probs, dscores))
     dq = torch.einsum("bhqk,bkhd->bqhd", dscores, kd) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", dscores, qd) * scale
     dv = torch.einsum("bhqk,bqhd->bkhd", probs, dod)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import cute_attn
-from cute_attn.reference import attention_backward_reference, attention_reference
-from helpers import check_close, check_lse, poisoned_like, random_qkv
+from helpers import alibi, check_close, check_dense, check_varlen, random_qkv
 from helpers import arch  # noqa: F401  (autouse: every test under both kernel families)
 
 pytestmark = pytest.mark.gpu
@@ -21,12 +20,6 @@ pytestmark = pytest.mark.gpu
 
 SEQLENS = [(1, 1), (17, 113), (113, 17), (129, 255), (1000, 1000), (300, 1000)]
 HEAD_DIMS = [32, 64, 96, 128, 192, 256, 72]
-
-
-def alibi(batch, heads, per_batch: bool):
-    """Fresh positive slopes, as ALiBi's geometric ones are (0.02 ... 0.5)."""
-    shape = (batch, heads) if per_batch else (heads,)
-    return torch.rand(shape, device="cuda", dtype=torch.float32) * 0.48 + 0.02
 
 
 # one feature at a time (name, causal, options); softcap 2 is far below the scores' range here, so
@@ -47,35 +40,6 @@ def _options(options, batch, heads):
     if "alibi" in options:
         options["alibi_slopes"] = alibi(batch, heads, options.pop("alibi"))
     return options
-
-
-def _reference_grads(q, k, v, dout, causal, options, compute_dtype):
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    out, _ = attention_reference(q, k, v, causal, compute_dtype=compute_dtype, **options)
-    out.backward(dout)
-    return q.grad, k.grad, v.grad
-
-
-def check_dense(q, k, v, causal, options, case, deterministic=False):
-    """Forward and backward of one dense case, outputs and gradients poisoned before launch."""
-    out, lse = poisoned_like(q), poisoned_like(q, (q.shape[0], q.shape[2], q.shape[1]), torch.float32)
-    out, lse = cute_attn.forward(q, k, v, causal=causal, return_lse=True, out=out, **options)
-    lse = lse.clone()
-    ref, ref_lse = attention_reference(q, k, v, causal, **options)
-    same, _ = attention_reference(q, k, v, causal, compute_dtype=q.dtype, **options)
-    check_close("out", out, ref, same, 1e-4, case)
-    check_lse(lse, ref_lse, case)
-
-    dout = torch.randn_like(out)
-    dq, dk, dv = poisoned_like(q), poisoned_like(k), poisoned_like(v)
-    cute_attn.backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-                       **options)
-    ref_grads = _reference_grads(q, k, v, dout, causal, options, torch.float32)
-    same_grads = _reference_grads(q, k, v, dout, causal, options, q.dtype)
-    flash_grads = attention_backward_reference(q, k, v, dout, causal, **options)
-    for name, got, r, s, f in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, same_grads, flash_grads):
-        check_close(name, got, r, (s, f), 1e-4, case)
-    return dq, dk, dv
 
 
 @pytest.mark.parametrize("name,causal,options", SINGLE, ids=[c[0] for c in SINGLE])
@@ -144,42 +108,6 @@ def packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype):
     q, _, _ = random_qkv(1, sum(lengths_q), 1, heads, heads_kv, head_dim, dtype)
     _, k, v = random_qkv(1, 1, sum(lengths_k), heads, heads_kv, head_dim, dtype)
     return q[0], k[0], v[0], cu_q, cu_k
-
-
-def check_varlen(q, k, v, cu_q, cu_k, causal, options, case, deterministic=False):
-    """Varlen forward and backward against the dense reference run sequence by sequence."""
-    lq, lk = (c.diff().tolist() for c in (cu_q, cu_k))
-    max_q, max_k = max(lq), max(lk)
-    out = poisoned_like(q)
-    out, lse = cute_attn.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True, out=out,
-                                        **options)
-    dout = torch.randn_like(out)
-    dq, dk, dv = poisoned_like(q), poisoned_like(k), poisoned_like(v)
-    cute_attn.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
-                              deterministic=deterministic, dq=dq, dk=dk, dv=dv, **options)
-    slopes = options.get("alibi_slopes")
-    seqused = options.get("seqused_k")
-    for b in range(len(lq)):
-        q0, q1, k0, k1 = cu_q[b].item(), cu_q[b + 1].item(), cu_k[b].item(), cu_k[b + 1].item()
-        if seqused is not None:  # the keys past seqused_k[b]: no part in the output, zero gradients
-            end, k1 = k1, k0 + seqused[b].item()
-            assert not dk[k1:end].any() and not dv[k1:end].any(), f"{case} seq {b}: unused keys got gradients"
-        seq_case = f"{case} seq {b} (sq={q1 - q0}, sk={k1 - k0})"
-        opts = {name: value for name, value in options.items() if name != "seqused_k"}
-        if slopes is not None and slopes.dim() == 2:
-            opts["alibi_slopes"] = slopes[b]
-        qs, ks, vs, dos = q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1]
-        ref, ref_lse = attention_reference(qs, ks, vs, causal, **opts)
-        same, _ = attention_reference(qs, ks, vs, causal, compute_dtype=q.dtype, **opts)
-        check_close("out", out[None, q0:q1], ref, same, 1e-4, seq_case)
-        check_lse(lse[None, :, q0:q1], ref_lse, seq_case)
-        ref_grads = _reference_grads(qs, ks, vs, dos, causal, opts, torch.float32)
-        same_grads = _reference_grads(qs, ks, vs, dos, causal, opts, q.dtype)
-        flash_grads = attention_backward_reference(qs, ks, vs, dos, causal, **opts)
-        got = (dq[None, q0:q1], dk[None, k0:k1], dv[None, k0:k1])
-        for name, g, r, s, f in zip(("dq", "dk", "dv"), got, ref_grads, same_grads, flash_grads):
-            check_close(name, g, r, (s, f), 1e-4, seq_case)
-    return dq, dk, dv
 
 
 @pytest.mark.parametrize("causal", [False, True])

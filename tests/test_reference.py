@@ -113,6 +113,23 @@ def test_backward_reference_matches_autograd(causal, seqlen_q, seqlen_k, heads, 
     unrounded = attention_backward_reference(q16, k16, v16, dout, causal, 0.37, round_out=False)
     torch.testing.assert_close(rounded[2], unrounded[2], atol=0, rtol=0)
     assert not torch.equal(rounded[0], unrounded[0])
+    # P and dS rounded as the kernels feed their products: a no-op in float64, a few bf16 units
+    # in the last place otherwise, in every gradient
+    same = attention_backward_reference(q.detach(), k.detach(), v.detach(), dout, causal, 0.37, round_operands=True)
+    for got, want in zip(same, exact):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    operands = attention_backward_reference(q16, k16, v16, dout, causal, 0.37, round_operands=True)
+    for got, want in zip(operands, rounded):
+        assert not torch.equal(got, want)
+        assert (got - want).abs().max() <= 2**-6 * want.abs().max()
+    # a given O (a kernel's forward output) in place of the reference's own rounded one
+    out16 = attention_reference(q16, k16, v16, causal, 0.37)[0]
+    given = attention_backward_reference(q16, k16, v16, dout, causal, 0.37, out=out16)
+    for got, want in zip(given, rounded):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
+    shifted = attention_backward_reference(q16, k16, v16, dout, causal, 0.37, out=out16 + 0.25)
+    torch.testing.assert_close(shifted[2], rounded[2], atol=0, rtol=0)  # D does not enter dV
+    assert not torch.equal(shifted[0], given[0])
 
 
 OPTIONS = [  # FlashAttention's window / softcap / ALiBi options, alone and together
