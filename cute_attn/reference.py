@@ -101,6 +101,7 @@ def attention_backward_reference(
     alibi_slopes: torch.Tensor | None = None,
     round_operands: bool = False,
     out: torch.Tensor | None = None,
+    precision: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in float64, written out as FlashAttention's backward computes them:
     dS = P * (dP - D) with D = rowsum(dO * O). With ``round_out`` O is first rounded to q's dtype,
@@ -111,28 +112,31 @@ def attention_backward_reference(
     (dV = P^T dO, dK = dS^T Q, dQ = dS K), as every FlashAttention kernel feeds its tensor cores;
     in those few-key rows that rounding of dS alone can move dq and dk by a few units too.
     ``out``: the O to compute D from (a kernel's forward output, which the backward reads), in
-    place of the reference's own (rounded per ``round_out``)."""
+    place of the reference's own (rounded per ``round_out``). ``precision``: the arithmetic
+    (float32: the kernels' accumulators, whose summation order alone leaves dP - D a little off
+    zero where it cancels exactly, as in a row with one key)."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     group = heads // heads_kv
-    qd, dod = q.double(), dout.double()
-    kd, vd = (t.double().repeat_interleave(group, dim=2) for t in (k, v))
+    qd, dod = q.to(precision), dout.to(precision)
+    kd, vd = (t.to(precision).repeat_interleave(group, dim=2) for t in (k, v))
     scores, tanh = _scores(qd, kd, scale, seqlen_q, seqlen_k, causal, tuple(window_size), softcap, alibi_slopes)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0)).nan_to_num(0.0)
     if out is not None:
-        out = out.double()
+        out = out.to(precision)
     else:
         out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
         if round_out:
-            out = out.to(q.dtype).double()
+            out = out.to(q.dtype).to(precision)
     return _flash_gradients(probs, out, qd, kd, vd, dod, scale, heads_kv, tanh,
                             operand_dtype=q.dtype if round_operands else None)
 
 
 def _flash_gradients(probs, out, qd, kd, vd, dod, scale, heads_kv, tanh=None, operand_dtype=None):
-    """FlashAttention's backward from P (batch, heads, seqlen_q, seqlen_k) and O, all float64, K/V
+    """FlashAttention's backward from P (batch, heads, seqlen_q, seqlen_k) and O, all float64 (or all
+    of one precision), K/V
     already repeated per query head: D = rowsum(dO * O), dS = P * (dP - D) (through the softcap's
     tanh when given); dK and dV summed over each K/V head's group of query heads. ``operand_dtype``:
     P and dS rounded to it before the products that take them."""
@@ -142,7 +146,7 @@ def _flash_gradients(probs, out, qd, kd, vd, dod, scale, heads_kv, tanh=None, op
     if tanh is not None:  # through softcap * tanh(s / softcap)
         dscores = dscores * (1 - tanh * tanh)
     if operand_dtype is not None:
-        probs, dscores = (t.to(operand_dtype).double() for t in (probs, dscores))
+        probs, dscores = (t.to(operand_dtype).to(probs.dtype) for t in (probs, dscores))
     dq = torch.einsum("bhqk,bkhd->bqhd", dscores, kd) * scale
     dk = torch.einsum("bhqk,bqhd->bkhd", dscores, qd) * scale
     dv = torch.einsum("bhqk,bqhd->bkhd", probs, dod)

@@ -127,6 +127,10 @@ def test_backward_reference_matches_autograd(causal, seqlen_q, seqlen_k, heads, 
     given = attention_backward_reference(q16, k16, v16, dout, causal, 0.37, out=out16)
     for got, want in zip(given, rounded):
         torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
+    fp32 = attention_backward_reference(q16, k16, v16, dout, causal, 0.37, round_operands=True, precision=torch.float32)
+    for got, want in zip(fp32, operands):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
     shifted = attention_backward_reference(q16, k16, v16, dout, causal, 0.37, out=out16 + 0.25)
     torch.testing.assert_close(shifted[2], rounded[2], atol=0, rtol=0)  # D does not enter dV
     assert not torch.equal(shifted[0], given[0])
