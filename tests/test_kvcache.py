@@ -711,3 +711,19 @@ def test_constants_are_not_cached_while_capturing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     b = kvcache._constant(("test-capture",), cuda, object)
     assert kvcache._constant(("test-capture",), cuda, object) is b
+
+
+def test_rotary_query_positions_follow_fa2s_window_rule():
+    """Queries rotate at their own positions when causal or local, where a window side that
+    reaches the cache length is dropped first (FlashAttention-2's mha_fwd_kvcache)."""
+    from cute_attn.interface import _rotary_local, _score_options
+
+    def local(causal, window, cache_len=512):
+        return _rotary_local(_score_options(causal, None, 64, window), causal, window, cache_len)
+
+    assert local(True, (-1, -1)) and local(True, (600, -1)) and local(True, (3, 9))
+    assert not local(False, (-1, -1))
+    assert local(False, (-1, 0))  # plain causal spelled as a window
+    assert local(False, (100, 0)) and local(False, (600, 5)) and local(False, (5, 600))
+    assert not local(False, (600, 700)) and not local(False, (512, -1)) and not local(False, (-1, 512))
+    assert local(False, (511, -1))

@@ -253,6 +253,10 @@ ROTARY = [  # (interleaved, rotary_dim of d128, causal, window, page_size)
     (False, 64, False, (-1, -1), None),
     (True, 128, False, (100, 0), None),  # a local window: q rotated at its own position, as causal
     (False, 64, True, (-1, -1), 64),
+    # wider than the 512-row cache on both sides: not local (FlashAttention-2 drops both sides), so
+    # every query at cache_seqlens[b]; with one side inside the cache it stays local
+    (False, 128, False, (600, 700), None),
+    (True, 64, False, (1000, 3), 64),
 ]
 
 
