@@ -46,8 +46,8 @@ MAX_SCORES = 48_000_000  # batch * heads * seqlen_q * seqlen_k of one dense call
 
 
 @dataclass(frozen=True)
-class FuzzConfig:
-    """The compile-time choices of one seed."""
+class ScoreConfig:
+    """The compile-time choices every entry point shares."""
 
     head_dim: int
     dtype: torch.dtype
@@ -55,6 +55,12 @@ class FuzzConfig:
     window: bool
     softcap: bool
     alibi: bool
+
+
+@dataclass(frozen=True)
+class FuzzConfig(ScoreConfig):
+    """The compile-time choices of one seed (dense and varlen)."""
+
     varlen: bool
     seqused: bool
     deterministic: bool
@@ -263,13 +269,9 @@ KV_PAGE_SIZES = [None, None, 16, 48, 64, 256]  # a compile-time choice (the kern
 
 
 @dataclass(frozen=True)
-class KvcacheConfig:
-    head_dim: int
-    dtype: torch.dtype
-    causal: bool
-    window: bool
-    softcap: bool
-    alibi: bool
+class KvcacheConfig(ScoreConfig):
+    """The compile-time choices of one seed's KV-cache test."""
+
     page_size: int | None
 
 
