@@ -90,6 +90,8 @@ def _check_out(name: str, out, like: torch.Tensor, shape=None, dtype=None) -> No
 
 def _softmax_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
+        if head_dim <= 0:  # the FA2 entry points validate options before the tensors' shapes
+            raise ValueError(f"head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}], got {head_dim}")
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
@@ -178,7 +180,9 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     Left to the caller, as FlashAttention does: cu_seqlens nondecreasing from 0 to total, and
     max_seqlen at least the longest sequence (checking them would synchronise with the GPU)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if isinstance(t, torch.Tensor) and t.dim() != 3:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
             raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim) in a varlen call, "
                              f"got shape {tuple(t.shape)}")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -188,7 +192,7 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise TypeError(f"{name} must be int32, got {t.dtype}")
         if t.dim() != 1 or t.numel() < 1:
             raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(t.shape)}")
-        if isinstance(q, torch.Tensor) and t.device != q.device:
+        if t.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
         if t.stride(0) != 1 and t.numel() > 1:
             raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")

@@ -66,10 +66,17 @@ def test_heads_not_a_multiple():
     raises(ValueError, "multiple of k/v heads", q, k, v)
 
 
-@pytest.mark.parametrize("d", [264, 12, 100])
+@pytest.mark.parametrize("d", [264, 12, 100, 0])
 def test_bad_head_dim(d):
     q, k, v = qkv(d=d)
     raises(ValueError, "head_dim must be a multiple of 8", q, k, v)
+    # the FA2 entry points validate their options first: a zero head dim was a ZeroDivisionError
+    # there (found by random malformed calls on the CPU machine)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
+        cute_attn.flash_attn_func(q, k, v)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
+        cute_attn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16)
 
 
 def test_last_dim_not_contiguous():
@@ -308,6 +315,7 @@ def test_varlen_valid_cpu_input_reaches_only_the_device_check():
 def test_varlen_bad_inputs():
     a = varlen_args()
     varlen_raises(ValueError, "q must have 3 dims", q=a["q"][None])
+    varlen_raises(TypeError, "k must be a torch.Tensor", k=None)  # was an AttributeError (random malformed calls)
     varlen_raises(TypeError, "cu_seqlens_q must be int32", cu_seqlens_q=a["cu_seqlens_q"].long())
     varlen_raises(TypeError, "cu_seqlens_k must be a torch.Tensor", cu_seqlens_k=[0, 7, 10, 21])
     varlen_raises(ValueError, r"cu_seqlens_k must have shape \(batch \+ 1,\)", cu_seqlens_k=a["cu_seqlens_k"][None])
@@ -336,6 +344,16 @@ def test_varlen_bad_inputs():
                                          seqused_k=used.float())
 
 
+def test_varlen_backward_rejects_non_tensors():
+    a = varlen_args()
+    out, lse = torch.zeros_like(a["q"]), torch.zeros(4, a["q"].shape[0])
+    for name in ("q", "k", "v"):
+        args = {**a, name: a[name].tolist()}
+        with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+            cute_attn.varlen_backward(torch.zeros_like(a["q"]), args["q"], args["k"], args["v"], out, lse,
+                                      a["cu_seqlens_q"], a["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"])
+
+
 def test_varlen_backward_checks_lse_shape():
     a = varlen_args()
     out = torch.randn_like(a["q"])
@@ -345,3 +363,82 @@ def test_varlen_backward_checks_lse_shape():
         cute_attn.varlen_backward(out, *positional, out, torch.randn(1, 4, 16), *rest)
     with pytest.raises(ValueError, match="q must be a CUDA tensor"):
         cute_attn.varlen_backward(out, *positional, out, torch.randn(4, 16), *rest)
+
+
+# ---------------------------------------------------------------------------- one bad argument at a time
+def _valid_calls(rng):
+    """(name, function of a dict of arguments, the arguments) of a valid call of each entry point,
+    on CPU tensors (so it reaches the device check at most)."""
+    B, Sq, Sk, H, Hk, D = rng.choice([1, 2]), rng.choice([1, 5]), rng.choice([3, 16]), 4, rng.choice([1, 2, 4]), 64
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+
+    scores = dict(softmax_scale=0.1, causal=True, window_size=(3, 0), softcap=2.0)
+    dense = dict(q=t(B, Sq, H, D), k=t(B, Sk, Hk, D), v=t(B, Sk, Hk, D), alibi_slopes=t(H, dtype=torch.float32))
+    cu_q, cu_k = (torch.tensor([0, n, 2 * n], dtype=torch.int32) for n in (Sq, Sk))
+    varlen = dict(q=t(2 * Sq, H, D), k=t(2 * Sk, Hk, D), v=t(2 * Sk, Hk, D), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                  max_seqlen_q=Sq, max_seqlen_k=Sk, alibi_slopes=t(2, H, dtype=torch.float32),
+                  seqused_k=torch.tensor([1, 2], dtype=torch.int32))
+    grads = dict(dout=t(B, Sq, H, D), out=t(B, Sq, H, D), lse=t(B, H, Sq, dtype=torch.float32), deterministic=False)
+    vgrads = dict(dout=t(2 * Sq, H, D), out=t(2 * Sq, H, D), lse=t(H, 2 * Sq, dtype=torch.float32), deterministic=True)
+    cache = dict(q=t(B, Sq, H, D), k_cache=t(B, 32, Hk, D), v_cache=t(B, 32, Hk, D), k=t(B, 1, Hk, D), v=t(B, 1, Hk, D),
+                 rotary_cos=t(64, 16), rotary_sin=t(64, 16), cache_seqlens=torch.full((B,), 3, dtype=torch.int32),
+                 cache_batch_idx=torch.arange(B, dtype=torch.int32), cache_leftpad=torch.zeros(B, dtype=torch.int32),
+                 alibi_slopes=t(H, dtype=torch.float32), num_splits=2, **scores)
+    positional = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    pop = lambda a, names: [a.pop(n) for n in names]  # noqa: E731
+    return [
+        ("forward", lambda a: cute_attn.forward(*pop(a, "qkv"), **a), {**dense, **scores, "out": t(B, Sq, H, D)}),
+        ("backward", lambda a: cute_attn.backward(*pop(a, ("dout", "q", "k", "v", "out", "lse")), **a),
+         {**dense, **scores, **grads}),
+        ("flash_attn_func", lambda a: cute_attn.flash_attn_func(**a), {**dense, **scores, "dropout_p": 0.0}),
+        ("varlen_forward", lambda a: cute_attn.varlen_forward(*pop(a, positional), **a), {**varlen, **scores}),
+        ("varlen_backward", lambda a: cute_attn.varlen_backward(*pop(a, ("dout", "q", "k", "v", "out", "lse")),
+                                                                *pop(a, positional[3:]), **a),
+         {**varlen, **scores, **vgrads}),
+        ("flash_attn_varlen_func", lambda a: cute_attn.flash_attn_varlen_func(*pop(a, positional), **a),
+         {**varlen, **scores}),
+        ("flash_attn_with_kvcache", lambda a: cute_attn.flash_attn_with_kvcache(**a), cache),
+    ]
+
+
+def _perturbed(rng, value):
+    """``value`` made wrong one way: another shape, dtype, layout or type, None, out of range."""
+    if isinstance(value, torch.Tensor):
+        kind = rng.choice(["shape", "dtype", "strided", "none", "list", "rank"])
+        if kind == "shape" and value.dim():
+            shape = list(value.shape)
+            i = rng.randrange(len(shape))
+            shape[i] = max(0, shape[i] + rng.choice([-1, 1, 3]))
+            return torch.zeros(shape, dtype=value.dtype)
+        if kind == "dtype":
+            return value.to(rng.choice([torch.float32, torch.int64, torch.float16]))
+        if kind == "strided" and value.numel() > 1:
+            return torch.stack([value, value], -1)[..., 0]
+        return {"none": None, "list": value.tolist()}.get(kind, value.unsqueeze(0))
+    if isinstance(value, bool):
+        return rng.choice([None, 1, "yes"])
+    if isinstance(value, (int, float)):
+        return rng.choice([-1, -5.0, float("nan"), float("inf"), None, "3", True])
+    return rng.choice([(1,), (1, 2, 3), (-3, 0), (1.5, 2), None, (True, False), "x"])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_bad_argument_raises_value_or_type_error(seed):
+    """A valid call of every entry point with one argument made wrong (random, seeded) raises
+    ValueError, TypeError or NotImplementedError: never another exception from deeper inside
+    (random malformed calls found a ZeroDivisionError at head_dim 0 in the FA2 entry points and an
+    AttributeError for a non-tensor q/k/v in varlen_backward)."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(300):
+        name, call, args = rng.choice(_valid_calls(rng))
+        arg = rng.choice(sorted(args))
+        args[arg] = _perturbed(rng, args[arg])
+        try:
+            call(dict(args))
+        except (ValueError, TypeError, NotImplementedError):
+            continue
+        raise AssertionError(f"{name}({arg}={args[arg]!r}) did not raise ValueError/TypeError")
