@@ -581,7 +581,7 @@ class FlashAttentionBackwardSm90:
         K's and V's buffers."""
         n_block, _, seq, head0, group, m_min, num_m, head_kv, _ = work
         b = seq.tensor_batch
-        tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
+        tile_q = (self.tile_m, self.head_dim)
         kv_state, q_state, do_state = self._pipeline_states(pipeline.PipelineUserType.Producer) \
             if const_expr(states is None) else states
         load_kv = partial(self._load_kv, mK, mV, sK, sV, atom_K, atom_V, pipe_kv, n_block, head_kv, seq)
