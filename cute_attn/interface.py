@@ -501,7 +501,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_cuda("q", q)
     if plan.seqlen_new:  # the new keys into the caches (q rotated in the same pass)
         q = kvcache.append_kv(plan, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved=rotary_interleaved,
-                              q=q, causal_or_local=_rotary_local(opts, causal, window_size, plan.cache_len))
+                              q=q, causal_or_local=_rotary_local(opts, plan.cache_len))
     device, batch = q.device, plan.batch
     seqused = plan.cache_seqlens + plan.seqlen_new if plan.seqlen_new else plan.cache_seqlens
     leftpad = plan.cache_leftpad if plan.cache_leftpad is not None else kvcache._filled(0, batch, device)
@@ -523,16 +523,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 _DECODE_LAUNCHES: dict = {}  # as _FORWARD_LAUNCHES, for ``flash_attn_with_kvcache`` without an append
 
 
-def _rotary_local(opts: _Scores, causal: bool, window_size, cache_len: int) -> bool:
+def _rotary_local(opts: _Scores, cache_len: int) -> bool:
     """Whether a KV-cache call's queries are rotated at their own positions (causal or local) or
     all at cache_seqlens[b]: FlashAttention-2's rule, which first drops a window side that reaches
     the cache length (mha_fwd_kvcache), so a window wider than the cache on both sides is not local
     (its mask hides nothing either way). Found by tests/test_fuzz_gpu.py (windows of (1399, 1142)
     and (1153, 300) over caches of 211 and 256 rows: every query but the first rotated elsewhere)."""
-    left, right = _window(window_size)
-    if causal:
-        right = 0
-    return opts.causal or (opts.features.local and (0 <= left < cache_len or 0 <= right < cache_len))
+    # a local kernel's edges: _UNBOUNDED for an open side, and 0 on the right when causal
+    return opts.causal or (opts.features.local and min(opts.window_left, opts.window_right) < cache_len)
 
 
 def decode_num_splits(ctas: int, n_blocks: int, slots: int, max_splits: int = 128) -> int:

@@ -719,7 +719,7 @@ def test_rotary_query_positions_follow_fa2s_window_rule():
     from cute_attn.interface import _rotary_local, _score_options
 
     def local(causal, window, cache_len=512):
-        return _rotary_local(_score_options(causal, None, 64, window), causal, window, cache_len)
+        return _rotary_local(_score_options(causal, None, 64, window), cache_len)
 
     assert local(True, (-1, -1)) and local(True, (600, -1)) and local(True, (3, 9))
     assert not local(False, (-1, -1))
