@@ -52,6 +52,7 @@ from cute_attn.traits import (
     Sm90BackwardTraits,
     Sm90ForwardTraits,
     padded_head_dim,
+    pages_by_rows,
     sm80_backward_traits,
     sm80_decode_traits,
     sm80_forward_traits,
@@ -96,10 +97,13 @@ def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capac
     table's tier (it runs other tiles and grids on short and long sequences); varlen passes
     max_seqlen_q. ``features``: the optional features compiled in (kernels/features.py); the
     decode features (KV cache, paged, split-KV, packed GQA) run the SM80-family kernel with the
-    decode traits on every GPU, tile_n dividing ``page_size`` when paged."""
+    decode traits on every GPU, tile_n dividing ``page_size`` when paged, or a page per row
+    (features.paged_rows) where the page size has no power-of-two factor of 64 keys."""
     if features.decode:
         if traits is None:
             traits = sm80_decode_traits(head_dim, smem_capacity, page_size)
+        if features.paged and pages_by_rows(page_size):
+            features = dataclasses.replace(features, paged_rows=True)
         return _forward_key(target, dtype, head_dim, causal, None, traits, "sm80", 0, features)
     # every sequence length of a tier maps to one cached key
     tier = sm90_seqlen_tier(head_dim, causal, seqlen) if kernel == "sm90" and traits is None else 0
@@ -112,8 +116,6 @@ def _forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capa
     padded = padded_head_dim(head_dim)
     if isinstance(traits, tuple):  # SM80 candidates (the decode traits)
         kernel, candidates = "sm80", traits
-        # a paged cache's short K/V blocks may need a wider head dim (traits._load_rows_fit)
-        padded = max(padded, *(t.head_dim for t in candidates))
     elif traits is not None:
         kernel, candidates = ("sm90" if isinstance(traits, Sm90ForwardTraits) else "sm80"), (traits,)
         if smem_capacity and traits.smem_bytes() > smem_capacity:

@@ -444,10 +444,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     no autograd).
 
     q (batch, seqlen_q, heads, d); k_cache/v_cache (batch_cache, seqlen_cache, heads_kv, d), or
-    paged (num_pages, page_size, heads_kv, d) with block_table (batch, max_pages) int32 (page_size a
-    multiple of 16). Sequence b attends to cache rows cache_leftpad[b] : cache_seqlens[b] (+
-    seqlen_new) of cache row cache_batch_idx[b]; cache_seqlens None (the whole cache), an int or
-    (batch,) int32. k/v (batch, seqlen_new, heads_kv, d), when given, are first written into the
+    paged (num_pages, page_size, heads_kv, d) with block_table (batch, max_pages) int32 (any
+    page_size; multiples of 64 keys are read a K/V block per page, others a page per row).
+    Sequence b attends to cache rows cache_leftpad[b] : cache_seqlens[b] (+ seqlen_new) of cache
+    row cache_batch_idx[b]; cache_seqlens None (the whole cache), an int or (batch,) int32. k/v (batch, seqlen_new, heads_kv, d), when given, are first written into the
     caches in place at rows cache_seqlens[b]:, rotated with rotary_cos/sin (seqlen_ro, rotary_dim
     / 2) when given (q too: at cache_seqlens[b] + i when causal or windowed, else at
     cache_seqlens[b]; ``rotary_interleaved`` pairs columns (0, 1), (2, 3)... or GPT-NeoX's (j, j +

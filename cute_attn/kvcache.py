@@ -24,8 +24,6 @@ import torch
 from cute_attn.interface import _check_cuda, _check_int32, _check_kind, _check_layout
 from cute_attn.traits import MAX_HEAD_DIM
 
-PAGE_MULTIPLE = 16  # a paged cache's page size must be a multiple of this many keys
-
 
 @dataclass(frozen=True, eq=False)
 class KVCachePlan:
@@ -129,9 +127,8 @@ def check_kvcache_args(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rot
             raise ValueError(f"block_table must have 2 dims (batch, max_pages), got shape {tuple(block_table.shape)}")
         max_pages = block_table.shape[1] if isinstance(block_table, torch.Tensor) else 0
         _check_int32("block_table", block_table, (batch, max_pages), q.device, " or None")
-        if slots == 0 or slots % PAGE_MULTIPLE:
-            raise ValueError(f"a paged cache's page size (k_cache.shape[1]) must be a positive multiple of "
-                             f"{PAGE_MULTIPLE}, got {slots}")
+        if slots == 0:  # any other page size works (kernels/sm80/forward.py: paged_rows)
+            raise ValueError("a paged cache's page size (k_cache.shape[1]) must be positive, got 0")
         for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
             if t is not None:
                 raise ValueError(f"{name} is not supported with a paged cache (block_table given), as in "

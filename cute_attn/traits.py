@@ -196,8 +196,7 @@ SM90_CAUSAL_DYNAMIC_TILES = frozenset({64, 128})
 # A decode tile holds a few query rows (seqlen_q x the query heads of one K/V head), so 64 rows
 # (4 warps of 16) and the S width and stages are what sets how many K/V bytes are in flight per SM.
 # The second candidate is taken where the first spills (the compiler keeps the first without local
-# memory). A paged cache caps tile_n at the page size's largest power-of-two factor (a K/V block
-# must lie in one page), so page sizes that are multiples of 16 all work.
+# memory). A paged cache reads K/V blocks of 64 keys or more from one page each (pages_by_rows).
 SM80_DECODE = {
     32: (ForwardTraits(32, tile_m=64, tile_n=128, num_warps=4, num_stages=2),),
     64: (ForwardTraits(64, tile_m=64, tile_n=128, num_warps=4, num_stages=2),
@@ -216,34 +215,27 @@ SM80_DECODE = {
 def sm80_decode_traits(head_dim: int, smem_capacity: int | None = None, page_size: int = 0,
                        spec: str | None = None) -> tuple[ForwardTraits, ...]:
     """The decode candidates for ``head_dim`` (``spec``: one given instead, as in parse_traits),
-    with tile_n dividing ``page_size`` (0: not paged) and shrunk to ``smem_capacity``."""
+    shrunk to ``smem_capacity``; for a paged cache read a block per page (``pages_by_rows`` false)
+    with tile_n dividing ``page_size``."""
     candidates = SM80_DECODE[padded_head_dim(head_dim)] if spec is None else (parse_traits(spec, head_dim),)
-    if page_size:
+    if page_size and not pages_by_rows(page_size):
         largest_pow2 = page_size & -page_size
-        candidates = tuple(_load_rows_fit(replace(t, tile_n=min(t.tile_n, largest_pow2))) for t in candidates)
+        candidates = tuple(replace(t, tile_n=min(t.tile_n, largest_pow2)) for t in candidates)
     if smem_capacity:
         candidates = tuple(fit_to_smem(t, smem_capacity) for t in candidates)
     return tuple(dict.fromkeys(candidates))
 
 
-def sm80_load_rows(head_dim: int, num_warps: int) -> int:
-    """Rows one pass of the SM80-family kernels' 128-bit global <-> shared copies covers: its
-    threads span a shared-memory atom's row (64 columns, or 32 where the head dim is not a multiple
-    of 64) 8 elements each, and go down the rows. A plain-Python mirror of
-    kernels/sm80/common.copy_rows_per_pass (importing the DSL here would slow every import), which
-    the SM80 forward asserts."""
-    atom_cols = 64 if head_dim % 64 == 0 else 32
-    return 32 * num_warps // (atom_cols // 8)
+# Pages whose largest power-of-two factor is at least this many keys are read a K/V block of that
+# many keys per page; others (1, 16, 48, 100...) with full tiles and a page per row. 16-key blocks
+# read at 0.59-0.69x the rate of 64-key ones (docs/performance.md, "Pages of any size").
+PAGE_BLOCK_MIN = 64
 
 
-def _load_rows_fit(t: ForwardTraits) -> ForwardTraits:
-    """A paged cache's K/V blocks can be as short as 16 keys (pages of 16, 48, 80... keys), fewer
-    than one pass of the K/V copy at head dims with 32-column atoms (32, 96 and those padded to
-    them: 32 rows a pass). Those are then built for the next multiple of 64 (16 rows a pass); the
-    extra columns are zero-filled in shared memory and never read from the cache."""
-    if t.tile_n % sm80_load_rows(t.head_dim, t.num_warps):
-        return replace(t, head_dim=-(-t.head_dim // 64) * 64)
-    return t
+def pages_by_rows(page_size: int) -> bool:
+    """Whether a paged cache of ``page_size`` keys runs the decode kernel with a page per row
+    (features.paged_rows) rather than a K/V block per page."""
+    return bool(page_size) and (page_size & -page_size) < PAGE_BLOCK_MIN
 
 
 def padded_head_dim(head_dim: int) -> int:

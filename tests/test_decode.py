@@ -6,7 +6,7 @@ import pytest
 
 from cute_attn import interface
 from cute_attn.kernels import block_info
-from cute_attn.traits import HEAD_DIMS, padded_head_dim, sm80_decode_traits, sm80_load_rows
+from cute_attn.traits import HEAD_DIMS, padded_head_dim, pages_by_rows, sm80_decode_traits
 
 
 def _visible(i, j, seqlen_q, seqlen_k, causal, left, right):
@@ -88,31 +88,36 @@ def test_decode_num_splits():
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS + (72,))
-@pytest.mark.parametrize("page_size", [0, 16, 48, 64, 256])
+@pytest.mark.parametrize("page_size", [0, 1, 16, 48, 64, 100, 192, 256])
 def test_decode_traits_fit_pages(head_dim, page_size):
-    for t in sm80_decode_traits(head_dim, 227 * 1024, page_size):
+    unpaged = sm80_decode_traits(head_dim, 227 * 1024)
+    candidates = sm80_decode_traits(head_dim, 227 * 1024, page_size)
+    for t in candidates:
         assert t.tile_m == 16 * t.num_warps
-        if page_size:
-            assert page_size % t.tile_n == 0
         assert t.smem_bytes() <= 113 * 1024  # two CTAs per SM on H100 (interface._DECODE_CTAS_PER_SM)
-        # whole passes of the K/V copy per block: a 16-key block at d32/d96 (32-column shared-memory
-        # atoms, 32 rows a pass) let the threads past row 16 write shared memory beyond the block
-        # (an illegal address on the GPU, found by tests/test_fuzz_gpu.py); such blocks now run
-        # the next multiple of 64 columns
-        assert t.tile_n % sm80_load_rows(t.head_dim, t.num_warps) == 0
-        assert t.head_dim >= head_dim
+        assert t.head_dim == padded_head_dim(head_dim)
+    if pages_by_rows(page_size):  # a page per row: the unpaged tiles
+        assert candidates == unpaged
+    else:  # a block per page: blocks of at least 64 keys (16-key ones read at 0.6-0.7x)
+        assert all(page_size % t.tile_n == 0 and t.tile_n >= min(64, u.tile_n) for t, u in zip(candidates, unpaged))
 
 
-def test_short_paged_blocks_widen_the_head_dim():
-    """Pages of 16 or 48 keys (16-key blocks) at head dims with 32-column atoms: the kernel is built
-    for the next multiple of 64, predicating the extra columns (one compile key for 72 and 96)."""
+@pytest.mark.parametrize("head_dim", [32, 64, 72, 96, 128, 256])
+def test_page_sizes_share_kernels(head_dim):
+    """Any page size runs (none is refused), and page sizes compile at most a few kernels: a page
+    per row (features.paged_rows) for those without a power-of-two factor of 64, else a block per
+    page of the page's power-of-two factor, capped at the table's tile_n."""
     from cute_attn.compile import forward_key
     from cute_attn.kernels.features import Features
 
     paged = Features(kvcache=True, paged=True, split=True, pack_gqa=True)
-    for head_dim, built in ((32, 64), (72, 128), (96, 128), (64, 64), (128, 128)):
-        for page_size in (16, 48):
-            key = forward_key("sm_90a", "bf16", head_dim, False, 227 * 1024, features=paged, page_size=page_size)
-            assert (key.head_dim, key.check_hdim) == (built, head_dim != built), (head_dim, page_size, key.name)
-        wide = forward_key("sm_90a", "bf16", head_dim, False, 227 * 1024, features=paged, page_size=64)
-        assert wide.head_dim == padded_head_dim(head_dim)  # 64-key blocks keep the table's entry
+    keys = {}
+    for page_size in range(1, 1025):
+        key = forward_key("sm_90a", "bf16", head_dim, False, 227 * 1024, features=paged, page_size=page_size)
+        assert key.features.paged_rows == (page_size % 64 != 0), (page_size, key.name)
+        assert key.head_dim == padded_head_dim(head_dim)
+        keys.setdefault(key.name, []).append(page_size)
+    assert len(keys) <= 3, sorted(keys)
+    rows = forward_key("sm_90a", "bf16", head_dim, False, 227 * 1024, features=paged, page_size=16)
+    assert rows.candidates == forward_key("sm_90a", "bf16", head_dim, False, 227 * 1024,
+                                          features=Features(kvcache=True, split=True, pack_gqa=True)).candidates

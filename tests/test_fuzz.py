@@ -53,7 +53,7 @@ def test_kvcache_instances_within_contract():
             room = inst["capacity"] - inst["seqlen_new"]
             assert all(0 <= n <= room for n in inst["cache_seqlens"])
             if cfg.page_size:
-                assert inst["capacity"] % cfg.page_size == 0 and cfg.page_size % 16 == 0
+                assert inst["capacity"] % cfg.page_size == 0
                 assert not inst["batch_idx"] and inst["leftpad"] is None  # not with a block table
             if inst["leftpad"] is not None:
                 assert all(0 <= p <= n for p, n in zip(inst["leftpad"], inst["cache_seqlens"]))

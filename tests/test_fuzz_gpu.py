@@ -265,7 +265,9 @@ def test_fuzz(seed):
 
 
 # ---------------------------------------------------------------------------- KV-cache decode
-KV_PAGE_SIZES = [None, None, 16, 48, 64, 256]  # a compile-time choice (the kernel's key tile divides it)
+# a compile-time choice: pages of 64 keys or a multiple are read a K/V block per page, others
+# (1, 5, 16, 40, 48, 100) a page per row (features.paged_rows)
+KV_PAGE_SIZES = [None, None, 16, 48, 64, 256, 1, 5, 40, 100]
 
 
 @dataclass(frozen=True)

@@ -364,10 +364,14 @@ def test_block_table_last_dim_not_contiguous():
     raises(ValueError, "block_table must be contiguous in its last dim", **kw)
 
 
-@pytest.mark.parametrize("page_size", [8, 24])
-def test_page_size(page_size):
-    raises(ValueError, rf"page size \(k_cache.shape\[1\]\) must be a positive multiple of 16, got {page_size}",
-           **args(paged=True, page_size=page_size))
+def test_page_size_zero():
+    raises(ValueError, r"page size \(k_cache.shape\[1\]\) must be positive, got 0", **args(paged=True, page_size=0))
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 8, 24, 100])
+def test_any_page_size(no_device_check, page_size):
+    plan = check_kvcache_args(**args(paged=True, page_size=page_size, max_pages=5, new=2))
+    assert (plan.paged, plan.page_size, plan.cache_len) == (True, page_size, 5 * page_size)
 
 
 @pytest.mark.parametrize("name", ["cache_batch_idx", "cache_leftpad"])

@@ -219,13 +219,14 @@ def test_append(page_size, causal):
         check_kvcache(q, k_cache, v_cache, case, k, v, cache_seqlens=lengths, block_table=table, causal=causal)
 
 
-# 48 and 192 keys: pages of 3 K/V blocks (16 and 64 keys), so the kernel's page index is a true
-# division by blocks per page, not a shift
-# d32 / d72 / d96 (32-column shared-memory atoms) at 16-key blocks: the kernel is built for the next
-# multiple of 64 columns (a copy pass of 32 rows wrote past a 16-row block: an illegal address,
-# found by test_fuzz_gpu.py)
+# A block per page: 64, 256, and 192 (3 blocks of 64 keys: the kernel's page index is a true
+# division by blocks per page, not a shift). A page per row (features.paged_rows): 1, 5, 16, 48,
+# 100, at every kind of shared-memory atom (32 columns at d32/d72/d96, 64 at d64/d128/d256).
+# (Until 2026-11-26 pages of 16 keys ran 16-key blocks, whose copy passes of 32 rows at d32/d96
+# wrote past the block: an illegal address, found by test_fuzz_gpu.py.)
 @pytest.mark.parametrize("page_size,head_dim", [(16, 128), (48, 128), (64, 128), (192, 128), (256, 128),
-                                                (16, 96), (48, 72), (16, 32), (64, 96)])
+                                                (16, 96), (48, 72), (16, 32), (64, 96), (1, 128), (5, 64),
+                                                (100, 256), (24, 96), (1, 32)])
 def test_paged_equals_contiguous(page_size, head_dim):
     """The same cache contiguous and paged through a shuffled block table (pages beyond those of the
     sequences in the pool): both match the reference, each other, and the caches after the append
@@ -281,7 +282,7 @@ def test_rotary(interleaved, rotary_dim, causal, window, page_size):
 
 # ---------------------------------------------------------------------------- split-KV
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("page_size", [None, 64, 16])
 def test_num_splits(page_size, causal):
     """num_splits 1, 2, 7 and 0 (the heuristic) give the reference's result and each other's, over
     long caches with short sequences among them (splits without a key)."""
@@ -392,7 +393,7 @@ def test_return_softmax_lse_flag():
 
 
 # ---------------------------------------------------------------------------- CUDA graphs, no recompiles
-@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("page_size", [None, 64, 16])
 def test_cuda_graph_decode_step(page_size):
     """A decode step (append one token, attend; num_splits auto) captured once and replayed with new
     cache_seqlens values and new q/k/v: no host synchronisation (the capture would fail), the right
@@ -462,7 +463,7 @@ def test_cuda_graph_decode_step(page_size):
 
 
 # ---------------------------------------------------------------------------- edges and entry points
-@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("page_size", [None, 64, 16])
 def test_exact_size_cache_with_empty_splits(page_size):
     """A cache with no rows past the keys (full sequences) and more splits than the blocks fill:
     the splits past the last block walk nothing and must load nothing past the cache (this ran

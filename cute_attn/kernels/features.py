@@ -15,7 +15,10 @@ kernel arguments, so a new value never compiles.
 KV-cache decode (SM80-family forward only; interface.flash_attn_with_kvcache):
 - ``kvcache``: per-sequence key counts, first key rows and cache batch rows come from int32
   tensors (cache_seqlens, cache_leftpad, cache_batch_idx) instead of the tensors' shapes.
-- ``paged``: K/V rows are gathered through a block table from (pages, page_size, heads_kv, d).
+- ``paged``: K/V rows are gathered through a block table from (pages, page_size, heads_kv, d),
+  a K/V block at a time (the page size a multiple of the kernel's tile_n).
+- ``paged_rows``: with ``paged``, pages of any size: each row of a K/V block finds its own page
+  (one block-table read per row a thread copies, where ``paged`` alone reads one per block).
 - ``split``: the K/V range of each (Q block, head, sequence) is cut into run-time ``num_splits``
   pieces run by separate CTAs, each writing an fp32 partial O and LSE (kernels/combine.py merges).
 - ``pack_gqa``: the query heads sharing a K/V head fill the rows of one tile with the queries,
@@ -34,6 +37,7 @@ class Features:
     seqused: bool = False
     kvcache: bool = False
     paged: bool = False
+    paged_rows: bool = False
     split: bool = False
     pack_gqa: bool = False
 
@@ -51,10 +55,10 @@ class Features:
     @property
     def decode(self) -> bool:
         """Any of the KV-cache decode features (which only the SM80-family forward has)."""
-        return self.kvcache or self.paged or self.split or self.pack_gqa
+        return self.kvcache or self.paged or self.paged_rows or self.split or self.pack_gqa
 
 
-FEATURE_NAMES = ("local", "softcap", "alibi", "varlen", "seqused", "kvcache", "paged", "split", "pack_gqa")
+FEATURE_NAMES = ("local", "softcap", "alibi", "varlen", "seqused", "kvcache", "paged", "paged_rows", "split", "pack_gqa")
 NO_FEATURES = Features()
 
 

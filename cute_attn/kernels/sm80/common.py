@@ -26,7 +26,7 @@ def atom_columns(head_dim: int) -> int:
 
 def copy_rows_per_pass(dtype: Type[cutlass.Numeric], head_dim: int, num_threads: int) -> int:
     """Rows one pass of ``gmem_tiled_copy`` covers: a tile must hold whole passes, or the threads
-    past its last row would write shared memory beyond it (traits._load_rows_fit)."""
+    past its last row would write shared memory beyond it (the SM80 forward asserts it)."""
     return num_threads // (atom_columns(head_dim) // (COPY_BITS // dtype.width))
 
 

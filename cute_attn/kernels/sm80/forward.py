@@ -17,7 +17,9 @@ this kernel too, on every GPU: decoding is bound by reading K and V, which cp.as
 TMA, so what matters is how many CTAs read at once.
 - kvcache: per-sequence key ranges from cache_seqlens / cache_leftpad / cache_batch_idx (seqlen_info).
 - paged: K/V block n of sequence b is rows (n * tile_n) % page_size.. of page
-  block_table[b, n * tile_n // page_size] (tile_n divides the page size: traits.sm80_decode_traits).
+  block_table[b, n * tile_n // page_size] where tile_n divides the page size; otherwise
+  (paged_rows: pages of any size) key j of a block is row j % page_size of page
+  block_table[b, j // page_size], one block-table read per row a thread copies.
 - split: the grid's z is (sequence, split); each split walks its share of the K/V blocks
   (block_info.clip_walk) and writes O and LSE in fp32 to the split's slice of the accumulators, which
   kernels/combine.py merges. A split that sees no key writes O = 0 and LSE = +inf.
@@ -84,6 +86,7 @@ class FlashAttentionForwardSm80:
         # the decode features serve dense batches (flash_attn_with_kvcache, forward's split path)
         assert not (f.varlen and f.decode), "kvcache / paged / split / pack_gqa: dense batches only"
         assert not (f.paged and not f.kvcache), "a paged cache needs the per-sequence key counts (kvcache)"
+        assert not (f.paged_rows and not f.paged), "paged_rows is a way of paging: it comes with paged"
         # packed rows mix query heads: a per-head ALiBi slope would have to be per row
         assert not (f.pack_gqa and f.alibi), "pack_gqa without ALiBi"
 
@@ -308,9 +311,16 @@ class FlashAttentionForwardSm80:
         )
 
         pages_k = pages_v = page_of = None
-        if const_expr(self.features.paged):  # (K or V of this head by page, the copy slice)
+        if const_expr(self.features.paged_rows):  # (K or V of this head by page, the copy slice)
+            # pages shorter than a block, or not a multiple of it: each copy pass's row finds its
+            # own page, by multiply and shift (an integer division cost ~20 instructions)
+            page_rows = cute.FastDivmodDivisorV2(mK.shape[1])
+            page_of = partial(self._pages_of_rows, mBlockTable[seq.batch, None], page_rows, tKVcKV)
+            pages_k = (mK[None, None, head_kv, None], thr_load)
+            pages_v = (mV[None, None, head_kv, None], thr_load)
+        elif const_expr(self.features.paged):
             # the page of block n is n // blocks_per_page (tile_n divides the page size), by
-            # multiply and shift: an integer division per load cost ~20 instructions
+            # multiply and shift
             blocks_per_page = cute.FastDivmodDivisorV2(mK.shape[1] // self.tile_n)
             page_of = partial(self._page_of, mBlockTable[seq.batch, None], blocks_per_page)
             pages_k = (mK[None, None, head_kv, None], thr_load)
@@ -466,19 +476,32 @@ class FlashAttentionForwardSm80:
     ):
         """cp.async one K or V block into a stage; ``boundary``: the block may end past seqlen_k.
         ``pages``: a paged cache (K or V by page, the thread's copy slice), ``page`` then the
-        block's (page, block within the page) from ``_page_of``."""
-        if const_expr(pages is None):
-            src = tXgX[None, None, None, n_block]
+        block's (page, block within the page) from ``_page_of``, or with paged_rows the (page, row
+        within the page) of each copy pass's row from ``_pages_of_rows`` (the row's own address)."""
+        if const_expr(self.features.paged_rows):  # ``page``: (page, row within it) of each pass
+            mX_pages = pages[0]
+            dst = tXsX[None, None, None, stage]
+            rows_left = seqlen_k - n_block * self.tile_n
+            for m in cutlass.range_constexpr(cute.size(dst.shape[1])):
+                page_idx, row_in_page = page[m]
+                row_ptr = mX_pages[page_idx, row_in_page, None].iterator + tXcX[0, m, 0][1]
+                src_row = cute.make_tensor(row_ptr, tXgX[None, m, None, 0].layout)
+                if const_expr(boundary or self.check_hdim):
+                    pred = common.vector_predicate(dst, tXcX, m, rows_left, head_dim, boundary, self.check_hdim)
+                    cute.copy(copy_load, src_row, dst[None, m, None], pred=pred)
+                else:
+                    cute.copy(copy_load, src_row, dst[None, m, None])
         else:
-            mX_pages, thr_load = pages
-            page_idx, block_in_page = page
-            g_block = cute.local_tile(mX_pages[page_idx, None, None], (self.tile_n, self.head_dim),
-                                      (block_in_page, 0))
-            src = thr_load.partition_S(g_block)
-        common.copy_rows(
-            copy_load, src, tXsX[None, None, None, stage], tXcX,
-            seqlen_k - n_block * self.tile_n, head_dim, boundary, self.check_hdim,
-        )
+            if const_expr(pages is None):
+                src = tXgX[None, None, None, n_block]
+            else:
+                mX_pages, thr_load = pages
+                page_idx, block_in_page = page
+                g_block = cute.local_tile(mX_pages[page_idx, None, None], (self.tile_n, self.head_dim),
+                                          (block_in_page, 0))
+                src = thr_load.partition_S(g_block)
+            common.copy_rows(copy_load, src, tXsX[None, None, None, stage], tXcX,
+                             seqlen_k - n_block * self.tile_n, head_dim, boundary, self.check_hdim)
 
     @cute.jit
     def _page_of(self, table: cute.Tensor, blocks_per_page, n_block: Int32):
@@ -487,6 +510,19 @@ class FlashAttentionForwardSm80:
         a sequence without keys (block 0, every row predicated off) read a valid entry."""
         page_idx, block_in_page = divmod(cutlass.max(n_block, 0), blocks_per_page)
         return table[cutlass.min(page_idx, cute.size(table.shape[0]) - 1)], block_in_page
+
+    @cute.jit
+    def _pages_of_rows(self, table: cute.Tensor, page_rows, tXcX: cute.Tensor, n_block: Int32):
+        """Paged cache by rows (pages of any size): (page, row within the page) of this thread's
+        row in each copy pass of K/V block ``n_block`` (``tXcX``: the copy slice's coordinates).
+        Rows past the sequence's last page (predicated off) and a block before 0 read a valid entry."""
+        first_key = cutlass.max(n_block, 0) * self.tile_n
+        last_page = cute.size(table.shape[0]) - 1
+        pages = []
+        for m in cutlass.range_constexpr(cute.size(tXcX.shape[1])):
+            page_idx, row_in_page = divmod(first_key + tXcX[0, m, 0][0], page_rows)
+            pages.append((table[cutlass.min(page_idx, last_page)], row_in_page))
+        return pages
 
     def _advance(self, stage: Int32) -> Int32:
         return (stage + 1) % self.num_stages
