@@ -558,6 +558,19 @@ def decode_num_splits(ctas: int, n_blocks: int, slots: int, max_splits: int = 12
 # Sk 131072: 30 splits 2.64 TB/s, 16 splits 2.79; B1 H32 Sk 8192: 8 splits 2.05, 4 splits 2.15;
 # B16 Sq4 H32/8 Sk 16384: 2 splits 2.87, none 3.00; docs/performance.md).
 _DECODE_CTAS_PER_SM = 1
+# A cache read a page per row (pages of 1, 16, 48... keys: traits.pages_by_rows) waits on its
+# block-table reads, and there both slots pay: H100, shuffled pages of 16 / 1 keys, B1 H8 Sk 131072
+# 32 splits 2.66 / 2.59 TB/s against 16 splits 2.34 / 2.24; B16 Sq4 H32/8 Sk 16384 2 splits 2.84 /
+# 2.75 against none 2.47 / 2.38; B1 H32/8 Sk 32768 32 splits 1.95 / 1.92 against 16 1.89 / 1.74;
+# B1 H32 Sk 8192 8 splits 1.96 / 1.94 against 4 1.91 / 1.76 (docs/performance.md).
+_DECODE_CTAS_PER_SM_PAGED_ROWS = 2
+
+
+def decode_slots(num_sms: int, page_size: int = 0) -> int:
+    """The decode heuristic's CTAs per wave for a cache of ``page_size``-key pages (0: dense)."""
+    from cute_attn.traits import pages_by_rows
+
+    return num_sms * (_DECODE_CTAS_PER_SM_PAGED_ROWS if pages_by_rows(page_size) else _DECODE_CTAS_PER_SM)
 
 
 def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kvcache: bool, page_size: int = 0,
@@ -582,7 +595,7 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
     ctas = -(-seqlen_q * (group if pack else 1) // tile_m) * (heads_kv if pack else heads) * batch
     n_blocks = -(-max_seqlen_k // tile_n)
     if num_splits == 0:
-        num_splits = decode_num_splits(ctas, n_blocks, plan.num_sms * _DECODE_CTAS_PER_SM)
+        num_splits = decode_num_splits(ctas, n_blocks, decode_slots(plan.num_sms, page_size))
     num_splits = max(1, min(num_splits, n_blocks, 128))
     split = num_splits > 1
     features = dataclasses.replace(opts.features, kvcache=kvcache, paged=page_size > 0, split=split, pack_gqa=pack)

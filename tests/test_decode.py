@@ -121,3 +121,13 @@ def test_page_sizes_share_kernels(head_dim):
     rows = forward_key("sm_90a", "bf16", head_dim, False, 227 * 1024, features=paged, page_size=16)
     assert rows.candidates == forward_key("sm_90a", "bf16", head_dim, False, 227 * 1024,
                                           features=Features(kvcache=True, split=True, pack_gqa=True)).candidates
+
+
+def test_paged_rows_fill_two_ctas_per_sm():
+    """Pages read a page per row fill both decode slots of an SM (their block-table waits need the
+    second CTA); dense caches and block-per-page caches one."""
+    assert interface.decode_slots(132) == interface.decode_slots(132, 64) == interface.decode_slots(132, 256) == 132
+    assert interface.decode_slots(132, 16) == interface.decode_slots(132, 1) == interface.decode_slots(132, 48) == 264
+    # B16 Sq4 H32/8 (128 packed CTAs): 2 splits with 16-key pages, none with 64-key ones
+    assert interface.decode_num_splits(128, 256, interface.decode_slots(132, 16)) == 2
+    assert interface.decode_num_splits(128, 256, interface.decode_slots(132, 64)) == 1
