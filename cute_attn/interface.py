@@ -447,16 +447,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     paged (num_pages, page_size, heads_kv, d) with block_table (batch, max_pages) int32 (any
     page_size; multiples of 64 keys are read a K/V block per page, others a page per row).
     Sequence b attends to cache rows cache_leftpad[b] : cache_seqlens[b] (+ seqlen_new) of cache
-    row cache_batch_idx[b]; cache_seqlens None (the whole cache), an int or (batch,) int32. k/v (batch, seqlen_new, heads_kv, d), when given, are first written into the
-    caches in place at rows cache_seqlens[b]:, rotated with rotary_cos/sin (seqlen_ro, rotary_dim
-    / 2) when given (q too: at cache_seqlens[b] + i when causal or windowed, else at
-    cache_seqlens[b]; ``rotary_interleaved`` pairs columns (0, 1), (2, 3)... or GPT-NeoX's (j, j +
-    rotary_dim / 2)). causal / window_size / softcap / alibi_slopes as ``forward``, over each
-    sequence's keys (bottom-right aligned). num_splits: split-KV pieces (0: chosen by
-    ``decode_num_splits``, 1: none; at most 128 and the number of K/V blocks). Page sizes: any
-    multiple of 16 keys. Returns out (like q) and, with return_softmax_lse, lse (batch,
-    heads, seqlen_q) fp32. No host synchronisation: a decode step can be captured in a CUDA graph
-    and replayed with new cache_seqlens values; new lengths never compile.
+    row cache_batch_idx[b]; cache_seqlens None (the whole cache), an int or (batch,) int32. k/v
+    (batch, seqlen_new, heads_kv, d), when given, are first written into the caches in place at
+    rows cache_seqlens[b]:, rotated with rotary_cos/sin (seqlen_ro, rotary_dim / 2) when given (q
+    too: at cache_seqlens[b] + i when causal or windowed, else at cache_seqlens[b];
+    ``rotary_interleaved`` pairs columns (0, 1), (2, 3)... or GPT-NeoX's (j, j + rotary_dim / 2)).
+    causal / window_size / softcap / alibi_slopes as ``forward``, over each sequence's keys
+    (bottom-right aligned). num_splits: split-KV pieces (0: chosen by ``decode_num_splits``, 1:
+    none; at most 128 and the number of K/V blocks). Returns out (like q) and, with
+    return_softmax_lse, lse (batch, heads, seqlen_q) fp32. No host synchronisation: a decode step
+    can be captured in a CUDA graph and replayed with new cache_seqlens values; new lengths never
+    compile.
     """
     from cute_attn import kvcache
 

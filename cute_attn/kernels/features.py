@@ -58,7 +58,9 @@ class Features:
         return self.kvcache or self.paged or self.paged_rows or self.split or self.pack_gqa
 
 
-FEATURE_NAMES = ("local", "softcap", "alibi", "varlen", "seqused", "kvcache", "paged", "paged_rows", "split", "pack_gqa")
+FEATURE_NAMES = (
+    "local", "softcap", "alibi", "varlen", "seqused", "kvcache", "paged", "paged_rows", "split", "pack_gqa",
+)
 NO_FEATURES = Features()
 
 
