@@ -559,19 +559,26 @@ def decode_num_splits(ctas: int, n_blocks: int, slots: int, max_splits: int = 12
 # Sk 131072: 30 splits 2.64 TB/s, 16 splits 2.79; B1 H32 Sk 8192: 8 splits 2.05, 4 splits 2.15;
 # B16 Sq4 H32/8 Sk 16384: 2 splits 2.87, none 3.00; docs/performance.md).
 _DECODE_CTAS_PER_SM = 1
-# A cache read a page per row (pages of 1, 16, 48... keys: traits.pages_by_rows) waits on its
-# block-table reads, and there both slots pay: H100, shuffled pages of 16 / 1 keys, B1 H8 Sk 131072
-# 32 splits 2.66 / 2.59 TB/s against 16 splits 2.34 / 2.24; B16 Sq4 H32/8 Sk 16384 2 splits 2.84 /
-# 2.75 against none 2.47 / 2.38; B1 H32/8 Sk 32768 32 splits 1.95 / 1.92 against 16 1.89 / 1.74;
-# B1 H32 Sk 8192 8 splits 1.96 / 1.94 against 4 1.91 / 1.76 (docs/performance.md).
-_DECODE_CTAS_PER_SM_PAGED_ROWS = 2
+# Two CTAs per SM where one keeps too few K/V bytes in flight: a cache read a page per row (pages of
+# 1, 16, 48... keys: traits.pages_by_rows), whose CTAs wait on their block-table reads, and the
+# one-stage kernels (d192, d256: SM80_DECODE). H100, shuffled pages of 16 / 1 keys at d128: B1 H8 Sk
+# 131072 32 splits 2.66 / 2.59 TB/s against 16 splits 2.34 / 2.24; B16 Sq4 H32/8 Sk 16384 2 splits
+# 2.84 / 2.75 against none 2.47 / 2.38; d64 B1 H8 2.23 / 2.18 against 1.71 / 1.68; d256 dense B1 H8
+# 2.94 against 2.84, B16 Sq4 3.02 against 2.95 (d64 and d128 dense: 2.33 / 2.70 against 2.43 / 2.80;
+# docs/performance.md).
+_DECODE_CTAS_PER_SM_LATENCY_BOUND = 2
 
 
-def decode_slots(num_sms: int, page_size: int = 0) -> int:
-    """The decode heuristic's CTAs per wave for a cache of ``page_size``-key pages (0: dense)."""
+def decode_slots(num_sms: int, traits, smem_capacity: int | None = None, page_size: int = 0) -> int:
+    """The decode heuristic's CTAs per wave for the decode kernel ``traits`` over a cache of
+    ``page_size``-key pages (0: dense): two per SM for paged-by-rows caches and one-stage kernels
+    where two fit in ``smem_capacity``, else one."""
     from cute_attn.traits import pages_by_rows
 
-    return num_sms * (_DECODE_CTAS_PER_SM_PAGED_ROWS if pages_by_rows(page_size) else _DECODE_CTAS_PER_SM)
+    latency_bound = pages_by_rows(page_size) or traits.num_stages == 1
+    two_fit = smem_capacity is None or 2 * (traits.smem_bytes() + 1024) <= smem_capacity
+    per_sm = _DECODE_CTAS_PER_SM_LATENCY_BOUND if latency_bound and two_fit else _DECODE_CTAS_PER_SM
+    return num_sms * per_sm
 
 
 def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kvcache: bool, page_size: int = 0,
@@ -596,7 +603,8 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
     ctas = -(-seqlen_q * (group if pack else 1) // tile_m) * (heads_kv if pack else heads) * batch
     n_blocks = -(-max_seqlen_k // tile_n)
     if num_splits == 0:
-        num_splits = decode_num_splits(ctas, n_blocks, decode_slots(plan.num_sms, page_size))
+        num_splits = decode_num_splits(ctas, n_blocks,
+                                       decode_slots(plan.num_sms, candidates[0], plan.smem_capacity, page_size))
     num_splits = max(1, min(num_splits, n_blocks, 128))
     split = num_splits > 1
     features = dataclasses.replace(opts.features, kvcache=kvcache, paged=page_size > 0, split=split, pack_gqa=pack)

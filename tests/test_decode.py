@@ -123,11 +123,20 @@ def test_page_sizes_share_kernels(head_dim):
                                           features=Features(kvcache=True, split=True, pack_gqa=True)).candidates
 
 
-def test_paged_rows_fill_two_ctas_per_sm():
-    """Pages read a page per row fill both decode slots of an SM (their block-table waits need the
-    second CTA); dense caches and block-per-page caches one."""
-    assert interface.decode_slots(132) == interface.decode_slots(132, 64) == interface.decode_slots(132, 256) == 132
-    assert interface.decode_slots(132, 16) == interface.decode_slots(132, 1) == interface.decode_slots(132, 48) == 264
+def test_two_ctas_per_sm_where_one_waits():
+    """Pages read a page per row and the one-stage kernels (d192, d256) fill both decode slots of
+    an SM where two CTAs fit; dense and block-per-page caches at d32-d128 one."""
+    smem = 227 * 1024
+
+    def slots(head_dim, page_size=0, capacity=smem):
+        return interface.decode_slots(132, sm80_decode_traits(head_dim, capacity, page_size)[0], capacity, page_size)
+
+    for d in (32, 64, 96, 128):
+        assert slots(d) == slots(d, 64) == slots(d, 256) == 132
+        assert slots(d, 16) == slots(d, 1) == slots(d, 48) == 264
+    for d in (192, 256):
+        assert slots(d) == slots(d, 64) == slots(d, 16) == 264
+    assert slots(128, 16, capacity=99 * 1024) == 132  # sm_86: two 2-stage d128 CTAs do not fit
     # B16 Sq4 H32/8 (128 packed CTAs): 2 splits with 16-key pages, none with 64-key ones
-    assert interface.decode_num_splits(128, 256, interface.decode_slots(132, 16)) == 2
-    assert interface.decode_num_splits(128, 256, interface.decode_slots(132, 64)) == 1
+    assert interface.decode_num_splits(128, 256, slots(128, 16)) == 2
+    assert interface.decode_num_splits(128, 256, slots(128, 64)) == 1
