@@ -94,7 +94,7 @@ def test_decode_traits_fit_pages(head_dim, page_size):
     candidates = sm80_decode_traits(head_dim, 227 * 1024, page_size)
     for t in candidates:
         assert t.tile_m == 16 * t.num_warps
-        assert t.smem_bytes() <= 113 * 1024  # two CTAs per SM on H100 (interface._DECODE_CTAS_PER_SM)
+        assert t.smem_bytes() <= 113 * 1024  # two CTAs fit an H100 SM (interface.decode_slots)
         assert t.head_dim == padded_head_dim(head_dim)
     if pages_by_rows(page_size):  # a page per row: the unpaged tiles
         assert candidates == unpaged
