@@ -175,14 +175,19 @@ def _alibi_slopes(alibi_slopes, batch: int, heads: int, device) -> torch.Tensor 
     return alibi_slopes if alibi_slopes.stride(-1) == 1 else alibi_slopes.contiguous()
 
 
-def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> int:
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged: bool = False) -> int:
     """Varlen shapes and offsets (no value that needs a host sync); returns the batch size.
+    ``paged``: k/v are paged caches (num_pages, page_size, heads_kv, head_dim), with block_table.
     Left to the caller, as FlashAttention does: cu_seqlens nondecreasing from 0 to total, and
     max_seqlen at least the longest sequence (checking them would synchronise with the GPU)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
+        if name != "q" and paged:
+            if t.dim() != 4:
+                raise ValueError(f"{name} must have 4 dims (num_pages, page_size, heads_kv, head_dim) with a "
+                                 f"block_table, got shape {tuple(t.shape)}")
+        elif t.dim() != 3:
             raise ValueError(f"{name} must have 3 dims (total_tokens, heads, head_dim) in a varlen call, "
                              f"got shape {tuple(t.shape)}")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -1046,20 +1051,34 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: float | None
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                            dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                            window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                           deterministic: bool = False, return_attn_probs: bool = False, *, seqused_k=None,
-                           return_lse: bool = False):
+                           deterministic: bool = False, return_attn_probs: bool = False, block_table=None, *,
+                           seqused_k=None, return_lse: bool = False):
     """``varlen_forward`` with autograd, with FlashAttention-2's signature and positional order:
     q (total_q, heads, head_dim), k/v (total_k, heads_kv, head_dim), cu_seqlens_q/k int32
     (batch + 1,) on the device, max_seqlen_q/k ints; keyword ``seqused_k`` as FlashAttention-3's
     (int32 (batch,): the keys each sequence attends to). Returns out (total_q, heads, head_dim);
-    the lse (heads, total_q) with ``return_attn_probs`` ((out, lse, None)) or ``return_lse``."""
+    the lse (heads, total_q) with ``return_attn_probs`` ((out, lse, None)) or ``return_lse``.
+
+    ``block_table`` (FlashAttention-2's paged varlen call, as vLLM's chunked prefill makes it): k/v
+    are paged caches (num_pages, page_size, heads_kv, head_dim), sequence b's keys the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or seqused_k[b]) positions of the pages
+    block_table[b] (int32 (batch, max_pages)) lists. Inference only: no autograd (q, k or v that
+    require grad raise NotImplementedError); runs the KV-cache kernel (``kvcache.varlen_paged``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _check_fa2_options(dropout_p, return_attn_probs, deterministic)
-    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          paged=block_table is not None)
     _check_seqused_k(seqused_k, batch, q)
     _score_options(causal, softmax_scale, q.shape[2], window_size, softcap)
+    if block_table is not None:
+        from cute_attn import kvcache
+
+        out, lse = kvcache.varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k,
+                                        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                        softcap=softcap, alibi_slopes=alibi_slopes)
+        return _returned(out, lse, return_attn_probs, return_lse)
     if torch.compiler.is_compiling():
         from cute_attn.integrations import custom_ops as ops
 

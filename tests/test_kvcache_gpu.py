@@ -521,3 +521,44 @@ def test_torch_compile_and_opcheck():
     args = (q, k_cache.clone(), v_cache.clone(), k, v, None, None, lengths, None, None, None, None, None, True, -1, -1,
             0.0, True, None, 0)
     torch.library.opcheck(torch.ops.cute_attn.fwd_kvcache, args)
+
+
+# ---------------------------------------------------------------------------- flash_attn_varlen_func(block_table=)
+@pytest.mark.parametrize("page_size,head_dim,options", [
+    (16, 128, dict(causal=True)), (64, 128, dict()), (16, 64, dict(window_size=(100, 0))),
+    (1, 96, dict(causal=True, softcap=20.0)), (48, 256, dict(causal=True)),
+])
+def test_varlen_block_table(page_size, head_dim, options):
+    """FlashAttention-2's paged varlen call (vLLM's chunked prefill and decode in one batch): packed
+    queries of 0, 1, 17, 5, 129 and 40 rows over paged keys of 0, 30, 17, 200, 129 and 1000
+    positions, GQA 8/2, against the fp32 reference run sequence by sequence; max_seqlen_q above the
+    longest; outputs of the padded-rows call poisoned first. Under torch.no_grad (no backward)."""
+    from cute_attn.reference import attention_reference
+
+    g = generator()
+    lens_q, lens_k = [0, 1, 17, 5, 129, 40], [0, 30, 17, 200, 129, 1000]
+    heads, heads_kv, max_q = 8, 2, 140
+    q = torch.randn(sum(lens_q), heads, head_dim, device="cuda", dtype=BF16, generator=g)
+    ks = [torch.randn(n, heads_kv, head_dim, device="cuda", dtype=BF16, generator=g) for n in lens_k]
+    vs = [torch.randn(n, heads_kv, head_dim, device="cuda", dtype=BF16, generator=g) for n in lens_k]
+    capacity = -(-max(lens_k) // page_size) * page_size
+    k_dense = torch.zeros(len(lens_k), capacity, heads_kv, head_dim, device="cuda", dtype=BF16)
+    v_dense = torch.zeros_like(k_dense)
+    for b, n in enumerate(lens_k):
+        k_dense[b, :n], v_dense[b, :n] = ks[b], vs[b]
+    k_pages, v_pages, table = to_paged(k_dense, v_dense, page_size)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")  # noqa: E731
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    poison_allocator(((len(lens_q), max_q, heads, head_dim), BF16), ((len(lens_q), heads, max_q), torch.float32))
+    with torch.no_grad():
+        out, lse, _ = cute_attn.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max(lens_k),
+                                                       return_attn_probs=True, block_table=table, **options)
+    assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
+    for b, (q0, q1) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())):
+        if q1 == q0:
+            continue
+        case = f"page={page_size} d={head_dim} {options} seq {b} (sq={q1 - q0}, sk={lens_k[b]})"
+        ref, ref_lse = attention_reference(q[None, q0:q1], ks[b][None], vs[b][None], **options)
+        same, _ = attention_reference(q[None, q0:q1], ks[b][None], vs[b][None], compute_dtype=BF16, **options)
+        check_close("out", out[None, q0:q1], ref, same, 1e-4, case)
+        check_lse(lse[None, :, q0:q1], ref_lse, case)
