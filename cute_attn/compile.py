@@ -556,7 +556,7 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
         ptxas = ""
     else:
         raise ValueError(f"unknown forward kernel family {key.kernel!r}")
-    q, k, v, o, lse = _fake_attention_tensors(dtype, kv_batch_own=key.features.kvcache)
+    q, k, v, o, lse = _fake_attention_tensors(dtype, kv_batch_own=key.features.kvcache or key.features.paged)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     # the SM90 kernel also takes the number of SMs (the size of a persistent grid), the causal
     # tile order's heads per section and (dynamic tiles) the tile counter
@@ -929,10 +929,11 @@ def forward_tier_siblings(key: ForwardKey) -> list[ForwardKey]:
     - an SM90 table key: every length tier of its configuration;
     - a table key of a dense (not varlen) forward: also the split-KV kernel that ``forward`` runs
       when few query rows meet many keys (interface._underfilled);
-    - a KV-cache decode key: the same kernel with split-KV toggled (the split count follows the
-      cache length, interface.decode_num_splits).
+    - a KV-cache decode key, or a paged varlen one (flash_attn_varlen_func's block_table): the same
+      kernel with split-KV toggled (the split count follows the cache length,
+      interface.decode_num_splits).
     An explicit-traits key has no siblings."""
-    if key.features.kvcache:
+    if key.features.kvcache or key.features.paged:
         return [key, _with_features(key, split=not key.features.split)]
     if key.kernel == "sm90":
         siblings = [

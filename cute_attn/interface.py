@@ -587,15 +587,18 @@ def decode_slots(num_sms: int, traits, smem_capacity: int | None = None, page_si
 
 
 def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kvcache: bool, page_size: int = 0,
-                     traits=None):
+                     traits=None, varlen: tuple[int, int] | None = None):
     """The launch of the SM80-family decode kernel (split-KV, packed GQA, KV cache) for validated
-    tensors shaped like q, k: a function of (q, k, v, out, lse, alibi_slopes, cache) with cache =
-    (seqused_k, leftpad_k, kv_batch_idx, block_table) int32 tensors (kvcache) or None.
-    ``num_splits`` 0: ``decode_num_splits``. ``traits``: a decode traits spec (tools/bench.py)."""
+    tensors shaped like q, k: a function of (q, k, v, out, lse, alibi_slopes, cache, cu_seqlens)
+    with cache = (seqused_k, leftpad_k, kv_batch_idx, block_table) int32 tensors (kvcache) or None.
+    ``num_splits`` 0: ``decode_num_splits``. ``traits``: a decode traits spec (tools/bench.py).
+    ``varlen``: (batch, max_seqlen_q) of packed queries (q (1, total_q, heads, d), cu_seqlens =
+    (cu_seqlens_q, cu_seqlens_k), keys counted by cache's seqused_k: kvcache.varlen_paged)."""
     from cute_attn.traits import sm80_decode_traits
 
     plan = dispatch.plan_for_device(q.device)
     batch, seqlen_q, heads, head_dim = q.shape
+    grid_batch, grid_seqlen_q = varlen if varlen is not None else (batch, seqlen_q)
     heads_kv = k.shape[2]
     group = heads // heads_kv
     # the query heads of a K/V head share its tile rows (one read of each K/V block), unless ALiBi
@@ -605,14 +608,15 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
     pack = not opts.features.alibi
     candidates = sm80_decode_traits(head_dim, plan.smem_capacity, page_size, spec=traits)
     tile_m, tile_n = candidates[0].tile_m, candidates[0].tile_n
-    ctas = -(-seqlen_q * (group if pack else 1) // tile_m) * (heads_kv if pack else heads) * batch
+    ctas = -(-grid_seqlen_q * (group if pack else 1) // tile_m) * (heads_kv if pack else heads) * grid_batch
     n_blocks = -(-max_seqlen_k // tile_n)
     if num_splits == 0:
         num_splits = decode_num_splits(ctas, n_blocks,
                                        decode_slots(plan.num_sms, candidates[0], plan.smem_capacity, page_size))
     num_splits = max(1, min(num_splits, n_blocks, 128))
     split = num_splits > 1
-    features = dataclasses.replace(opts.features, kvcache=kvcache, paged=page_size > 0, split=split, pack_gqa=pack)
+    features = dataclasses.replace(opts.features, kvcache=kvcache, paged=page_size > 0, split=split, pack_gqa=pack,
+                                   varlen=varlen is not None, seqused=varlen is not None)
     key = compile_mod.forward_key(plan.target, _DTYPE_NAMES[q.dtype], head_dim, opts.causal, plan.smem_capacity,
                                   traits=candidates, features=features, page_size=page_size)
     kernel = compile_mod.forward_cache.get(key)
@@ -620,19 +624,19 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
     if split:
         combine = compile_mod.combine_cache.get(compile_mod.combine_key(plan.target, _DTYPE_NAMES[q.dtype], head_dim))
     device, scale_log2 = q.device, opts.scale_log2
-    scalars = opts.kernel_scalars(seqlen_q)
+    scalars = opts.kernel_scalars(grid_seqlen_q)
     f32 = dict(dtype=torch.float32, device=device)
     global last_decode_splits
     last_decode_splits = num_splits
 
-    def launch(q, k, v, out, lse, alibi_slopes, cache):
+    def launch(q, k, v, out, lse, alibi_slopes, cache, cu_seqlens=(None, None)):
         seqused, leftpad, batch_idx, table = cache if cache is not None else (None, None, None, None)
         o_accum = lse_accum = None
         if split:
             o_accum = torch.empty((num_splits, batch, seqlen_q, heads, head_dim), **f32)
             lse_accum = torch.empty((num_splits, batch, heads, seqlen_q), **f32)
         with torch.cuda.device(device):
-            kernel(q, k, v, out, lse, scale_log2, None, None, seqused, alibi_slopes, *scalars, leftpad, batch_idx,
+            kernel(q, k, v, out, lse, scale_log2, *cu_seqlens, seqused, alibi_slopes, *scalars, leftpad, batch_idx,
                    table, o_accum, lse_accum, num_splits)
             if split:
                 combine(o_accum, lse_accum, out, lse)
@@ -1063,7 +1067,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     are paged caches (num_pages, page_size, heads_kv, head_dim), sequence b's keys the first
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or seqused_k[b]) positions of the pages
     block_table[b] (int32 (batch, max_pages)) lists. Inference only: no autograd (q, k or v that
-    require grad raise NotImplementedError); runs the KV-cache kernel (``kvcache.varlen_paged``)."""
+    require grad raise NotImplementedError); runs the KV-cache decode kernel with packed queries
+    (``kvcache.varlen_paged``)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -1075,9 +1080,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     if block_table is not None:
         from cute_attn import kvcache
 
-        out, lse = kvcache.varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, seqused_k,
-                                        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                        softcap=softcap, alibi_slopes=alibi_slopes)
+        out, lse = kvcache.varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                        seqused_k, softmax_scale=softmax_scale, causal=causal,
+                                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
         return _returned(out, lse, return_attn_probs, return_lse)
     if torch.compiler.is_compiling():
         from cute_attn.integrations import custom_ops as ops

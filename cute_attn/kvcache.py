@@ -378,37 +378,38 @@ def rotate_q(plan: KVCachePlan, q: torch.Tensor, rotary_cos, rotary_sin, cache_s
     return apply_rotary(q, rotary_cos, rotary_sin, positions, interleaved)
 
 
-def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, block_table, seqused_k=None,
-                 **options):
+def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, block_table,
+                 seqused_k=None, softmax_scale=None, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+                 alibi_slopes=None):
     """``flash_attn_varlen_func`` over a paged cache (FlashAttention-2's ``block_table``): returns
-    out (total_q, heads, d) and lse (heads, total_q). Each sequence's queries are placed at the end
-    of a (batch, max_seqlen_q) block of rows (left padding keeps them bottom-right aligned with
-    their keys, as causal, windows and ALiBi count positions), the KV-cache kernel attends them over
-    the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or seqused_k[b]) keys of their pages, and the
-    rows are gathered back. No host synchronisation (the row indices come from cu_seqlens_q on the
-    device). Inference only: q, k or v that require grad raise NotImplementedError."""
-    from cute_attn.interface import _alibi_slopes, flash_attn_with_kvcache
+    out (total_q, heads, d) and lse (heads, total_q). The KV-cache kernel with packed queries
+    (the varlen feature: sequence b's queries are rows cu_seqlens_q[b]: of q) over the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or seqused_k[b]) keys of its pages, split-KV and packed
+    GQA as ``flash_attn_with_kvcache`` picks them. No host synchronisation. Inference only: q, k or
+    v that require grad raise NotImplementedError."""
+    from cute_attn.interface import _alibi_slopes, _decode_launcher, _score_options
 
     total_q, heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     device = q.device
-    # every check before anything runs: the KV-cache call's own, on its shapes (cu_seqlens_k[1:]
-    # standing in for the key counts, which need a subtraction on the device)
-    check_kvcache_args(q.new_empty((batch, max_seqlen_q, heads, head_dim)), k_cache, v_cache,
-                       cache_seqlens=seqused_k if seqused_k is not None else cu_seqlens_k[1:], block_table=block_table)
-    _alibi_slopes(options.get("alibi_slopes"), batch, heads, device)
+    # every check before anything runs: the KV-cache call's own on its shapes (batch, max_seqlen_q
+    # queries), cu_seqlens_k[1:] standing in for the key counts (a subtraction on the device)
+    plan = check_kvcache_args(q.new_empty((batch, max_seqlen_q, heads, head_dim)), k_cache, v_cache,
+                              cache_seqlens=seqused_k if seqused_k is not None else cu_seqlens_k[1:],
+                              block_table=block_table)
+    opts = _score_options(causal, softmax_scale, head_dim, window_size, softcap, alibi_slopes is not None)
+    slopes = _alibi_slopes(alibi_slopes, batch, heads, device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise NotImplementedError("flash_attn_varlen_func with a block_table has no backward (inference, as "
                                   "FlashAttention-2's paged path): call it under torch.no_grad() or with tensors "
                                   "that do not require grad")
-    starts = cu_seqlens_q.long()
-    token = torch.arange(total_q, device=device)
-    seq = torch.searchsorted(starts[1:], token, right=True)  # the sequence of each query row
-    row = token - starts[seq] + (max_seqlen_q - (starts[seq + 1] - starts[seq]))  # its row, left-padded
-    q_rows = q.new_zeros((batch, max_seqlen_q, heads, head_dim))
-    q_rows[seq, row] = q
-    keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    out, lse = flash_attn_with_kvcache(q_rows, k_cache, v_cache, cache_seqlens=keys, block_table=block_table,
-                                       return_softmax_lse=True, **options)
-    return out[seq, row], lse[seq, :, row].t().contiguous()
-
+    q_packed = q.unsqueeze(0)  # (1, total_q, heads, d): the varlen kernels' view
+    out = torch.empty(q_packed.shape, dtype=q.dtype, device=device)
+    lse = torch.empty((1, heads, total_q), dtype=torch.float32, device=device)
+    if total_q:
+        keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        launch = _decode_launcher(q_packed, k_cache, opts, min(max_seqlen_k, plan.cache_len), 0, kvcache=False,
+                                  page_size=plan.page_size, varlen=(batch, max_seqlen_q))
+        launch(q_packed, k_cache, v_cache, out, lse, slopes, (keys, None, None, block_table),
+               cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+    return out[0], lse[0]

@@ -70,10 +70,12 @@ VARLEN_ALL = Features(varlen=True, seqused=True, local=True, softcap=True, alibi
 
 DECODE_SUBSET = [  # (target, dtype, head_dim, causal, features, page size): a paged packed split cache,
     # the same with pages of 16 keys (a page per row) on both targets, a padded head dim with
-    # window + softcap + ALiBi, and forward's own split path
+    # window + softcap + ALiBi, forward's own split path, and a paged varlen call
     ("sm_90a", "bf16", 128, True, Features(kvcache=True, paged=True, split=True, pack_gqa=True), 64),
     ("sm_90a", "bf16", 128, False, Features(kvcache=True, paged=True, split=True, pack_gqa=True), 16),
     ("sm_80", "fp16", 96, True, Features(kvcache=True, paged=True, local=True, pack_gqa=True), 1),
+    # flash_attn_varlen_func's block_table: packed queries over paged keys counted by seqused
+    ("sm_90a", "bf16", 128, True, Features(varlen=True, seqused=True, paged=True, split=True, pack_gqa=True), 16),
     ("sm_80", "fp16", 72, False, Features(local=True, softcap=True, alibi=True, kvcache=True, split=True), 0),
     ("sm_90a", "fp16", 256, False, Features(split=True, pack_gqa=True), 0),
 ]

@@ -753,38 +753,6 @@ def _paged_varlen_case(lens_q, lens_k, page_size, heads=4, heads_kv=2, d=32, see
     return q, ks, vs, k_pages, v_pages, table, cu(lens_q), cu(lens_k)
 
 
-@pytest.mark.parametrize("options", [dict(causal=True), dict(), dict(window_size=(3, 1)),
-                                     dict(causal=True, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))])
-def test_varlen_block_table_rows(no_device_check, monkeypatch, options):
-    """flash_attn_varlen_func(..., block_table) on the CPU with the KV-cache call replaced by the fp32
-    reference of flash_attn_with_kvcache: the queries placed at the end of padded rows (so that
-    causal, windows and ALiBi align them with their keys) and gathered back equal attention run
-    sequence by sequence, sequences of 0 queries or 0 keys and a max_seqlen_q above the longest
-    among them; the lse comes back as (heads, total_q)."""
-    from cute_attn import interface
-    from cute_attn.reference import attention_kvcache_reference, attention_reference
-
-    def kvcache_reference(q, k_cache, v_cache, return_softmax_lse=False, **kw):
-        out, lse, _, _ = attention_kvcache_reference(q, k_cache, v_cache, **kw)
-        return out, lse
-
-    monkeypatch.setattr(interface, "flash_attn_with_kvcache", kvcache_reference)
-    lens_q, lens_k = [3, 0, 5, 1, 2], [7, 4, 5, 20, 0]
-    q, ks, vs, k_pages, v_pages, table, cu_q, cu_k = _paged_varlen_case(lens_q, lens_k, page_size=3)
-    out, lse = interface.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 6, 20, block_table=table,
-                                                return_lse=True, **options)
-    assert out.shape == q.shape and lse.shape == (q.shape[1], q.shape[0])
-    if options == dict(causal=True):  # FlashAttention-2's positional order: block_table after return_attn_probs
-        same = interface.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 6, 20, 0.0, None, True, (-1, -1),
-                                                0.0, None, False, False, table)
-        assert torch.equal(same, out)
-    for b, (q0, q1) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())):
-        ref, ref_lse = attention_reference(q[None, q0:q1], ks[b][None], vs[b][None], **options)
-        # (the reference rounds its output to q's dtype; a row gathered from the wrong place is off by ~1)
-        torch.testing.assert_close(out[q0:q1].to(ref.dtype), ref[0], atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(lse[:, q0:q1], ref_lse[0], atol=1e-5, rtol=1e-5)
-
-
 def test_varlen_block_table_errors(no_device_check):
     from cute_attn import interface
 

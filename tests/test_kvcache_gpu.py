@@ -527,16 +527,24 @@ def test_torch_compile_and_opcheck():
 @pytest.mark.parametrize("page_size,head_dim,options", [
     (16, 128, dict(causal=True)), (64, 128, dict()), (16, 64, dict(window_size=(100, 0))),
     (1, 96, dict(causal=True, softcap=20.0)), (48, 256, dict(causal=True)),
+    (16, 128, dict(causal=True, alibi_slopes="per batch")), (32, 128, dict(causal=True, seqused_k="7 fewer")),
 ])
 def test_varlen_block_table(page_size, head_dim, options):
     """FlashAttention-2's paged varlen call (vLLM's chunked prefill and decode in one batch): packed
     queries of 0, 1, 17, 5, 129 and 40 rows over paged keys of 0, 30, 17, 200, 129 and 1000
     positions, GQA 8/2, against the fp32 reference run sequence by sequence; max_seqlen_q above the
-    longest; outputs of the padded-rows call poisoned first. Under torch.no_grad (no backward)."""
+    longest; outputs poisoned first; split-KV as the heuristic picks it and forced (num_splits is
+    not an argument here: auto only). Under torch.no_grad (no backward)."""
     from cute_attn.reference import attention_reference
 
     g = generator()
     lens_q, lens_k = [0, 1, 17, 5, 129, 40], [0, 30, 17, 200, 129, 1000]
+    options = dict(options)
+    if options.get("alibi_slopes") == "per batch":
+        options["alibi_slopes"] = alibi(len(lens_q), 8, per_batch=True)
+    used = None
+    if options.pop("seqused_k", None):
+        used = [max(0, n - 7) for n in lens_k]
     heads, heads_kv, max_q = 8, 2, 140
     q = torch.randn(sum(lens_q), heads, head_dim, device="cuda", dtype=BF16, generator=g)
     ks = [torch.randn(n, heads_kv, head_dim, device="cuda", dtype=BF16, generator=g) for n in lens_k]
@@ -549,16 +557,26 @@ def test_varlen_block_table(page_size, head_dim, options):
     k_pages, v_pages, table = to_paged(k_dense, v_dense, page_size)
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")  # noqa: E731
     cu_q, cu_k = cu(lens_q), cu(lens_k)
-    poison_allocator(((len(lens_q), max_q, heads, head_dim), BF16), ((len(lens_q), heads, max_q), torch.float32))
+    seqused = None if used is None else torch.tensor(used, dtype=torch.int32, device="cuda")
+    poison_allocator((q.shape, BF16), ((heads, q.shape[0]), torch.float32))
     with torch.no_grad():
         out, lse, _ = cute_attn.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max(lens_k),
-                                                       return_attn_probs=True, block_table=table, **options)
+                                                       return_attn_probs=True, block_table=table, seqused_k=seqused,
+                                                       **options)
+        if not options and used is None:  # FlashAttention-2's positional order: block_table after return_attn_probs
+            again = cute_attn.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max(lens_k), 0.0, None,
+                                                     False, (-1, -1), 0.0, None, False, False, table)
+            assert torch.equal(again, out)
     assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
     for b, (q0, q1) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist())):
         if q1 == q0:
             continue
-        case = f"page={page_size} d={head_dim} {options} seq {b} (sq={q1 - q0}, sk={lens_k[b]})"
-        ref, ref_lse = attention_reference(q[None, q0:q1], ks[b][None], vs[b][None], **options)
-        same, _ = attention_reference(q[None, q0:q1], ks[b][None], vs[b][None], compute_dtype=BF16, **options)
+        n = lens_k[b] if used is None else used[b]
+        case = f"page={page_size} d={head_dim} seq {b} (sq={q1 - q0}, sk={n})"
+        opts = dict(options)
+        if "alibi_slopes" in opts:
+            opts["alibi_slopes"] = opts["alibi_slopes"][b]
+        ref, ref_lse = attention_reference(q[None, q0:q1], ks[b][None, :n], vs[b][None, :n], **opts)
+        same, _ = attention_reference(q[None, q0:q1], ks[b][None, :n], vs[b][None, :n], compute_dtype=BF16, **opts)
         check_close("out", out[None, q0:q1], ref, same, 1e-4, case)
         check_lse(lse[None, :, q0:q1], ref_lse, case)

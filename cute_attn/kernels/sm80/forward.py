@@ -23,6 +23,8 @@ TMA, so what matters is how many CTAs read at once.
 - split: the grid's z is (sequence, split); each split walks its share of the K/V blocks
   (block_info.clip_walk) and writes O and LSE in fp32 to the split's slice of the accumulators, which
   kernels/combine.py merges. A split that sees no key writes O = 0 and LSE = +inf.
+- varlen with paged (flash_attn_varlen_func's block_table): packed queries (cu_seqlens_q) over
+  paged keys counted by seqused; the split accumulators and LSE are then (.., 1, total_q, ..).
 - pack_gqa: the grid's y is the K/V head; tile row p is query p // g of query head
   head_kv * g + p % g (g query heads per K/V head), so the g heads of a decode step (seqlen_q = 1)
   share one CTA and each K/V block is read once. Q is loaded and O stored row by row.
@@ -84,8 +86,9 @@ class FlashAttentionForwardSm80:
         self.features = features
         f = features
         # the decode features serve dense batches (flash_attn_with_kvcache, forward's split path)
-        assert not (f.varlen and f.decode), "kvcache / paged / split / pack_gqa: dense batches only"
-        assert not (f.paged and not f.kvcache), "a paged cache needs the per-sequence key counts (kvcache)"
+        # (varlen with paged / split / pack_gqa: flash_attn_varlen_func's block_table, keys counted by seqused)
+        assert not (f.varlen and f.kvcache), "a KV cache's batches are dense (varlen pages through seqused)"
+        assert not (f.paged and not f.seqused_k), "a paged cache needs the per-sequence key counts (kvcache, seqused)"
         assert not (f.paged_rows and not f.paged), "paged_rows is a way of paging: it comes with paged"
         # packed rows mix query heads: a per-head ALiBi slope would have to be per row
         assert not (f.pack_gqa and f.alibi), "pack_gqa without ALiBi"
@@ -197,7 +200,10 @@ class FlashAttentionForwardSm80:
             sQ_layout, sKV_layout, copy_load, copy_store, mma, SharedStorage, seq, m_block, head, tidx,
         )
         if const_expr(self.features.varlen):
-            if m_block * self.tile_m < seq.seqlen_q:  # the grid is sized for the longest sequence
+            rows_q = seq.seqlen_q
+            if const_expr(self.features.pack_gqa):  # the tile rows of the query heads of a K/V head
+                rows_q = seq.seqlen_q * (mQ.shape[2] // mK.shape[2])
+            if m_block * self.tile_m < rows_q:  # the grid is sized for the longest sequence
                 tile()
         else:
             tile()
@@ -386,11 +392,14 @@ class FlashAttentionForwardSm80:
         if const_expr(self.features.split):
             # fp32 partials of this split, straight from registers (a decode tile has few rows)
             self._store_partial(acc_O, lse, tOcO, mOAccum[split, b, None, None, None],
-                                mLSEAccum[split, b, None, None], rows_left, head_dim, row_q_head)
+                                mLSEAccum[split, b, None, None], rows_left, head_dim, row_q_head, seq.offset_q)
         else:
             rO = convert(acc_O, self.dtype)
             # LSE: the thread holding column 0 of a row writes it
             gLSE = cute.local_tile(seq.q_rows(mLSE[b, head, None]), (self.tile_m,), (m_block,))
+            mLSE_rows = None  # varlen packed GQA: (heads, this sequence's queries)
+            if const_expr(self.features.varlen and pack is not None):
+                mLSE_rows = cute.domain_offset((0, seq.offset_q), mLSE[b, None, None])
             if tOcO[0][1] == 0:
                 for r in cutlass.range_constexpr(cute.size(lse)):
                     row = tOcO[(0, r % 2), r // 2, 0][0]
@@ -399,7 +408,10 @@ class FlashAttentionForwardSm80:
                             gLSE[row] = lse[r]
                         else:
                             q_idx, h = row_q_head(row)
-                            mLSE[b, h, q_idx] = lse[r]
+                            if const_expr(self.features.varlen):
+                                mLSE_rows[h, q_idx] = lse[r]
+                            else:
+                                mLSE[b, h, q_idx] = lse[r]
 
             cute.arch.barrier()  # every warp is done reading sQ and sV: O reuses sQ's memory
             sO = cute.make_tensor(sQ.iterator, sQ_layout)
@@ -443,15 +455,18 @@ class FlashAttentionForwardSm80:
 
     @cute.jit
     def _store_partial(self, acc_O: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, mOAccum: cute.Tensor,
-                       mLSEAccum: cute.Tensor, rows_left: Int32, head_dim: Int32, row_q_head):
+                       mLSEAccum: cute.Tensor, rows_left: Int32, head_dim: Int32, row_q_head, offset_q):
         """Split-KV: this split's O (normalised by its own row sums) and LSE, fp32, to its slices
-        mOAccum (seqlen_q, heads, d) and mLSEAccum (heads, seqlen_q)."""
+        mOAccum (seqlen_q, heads, d) and mLSEAccum (heads, seqlen_q); varlen: the sequence's rows
+        from ``offset_q`` of the packed (total_q) ones."""
         O = acc_to_rows_cols(acc_O)
         coords = acc_to_rows_cols(tOcO)
         for r in cutlass.range_constexpr(cute.size(O.shape[0])):
             row = coords[r, 0][0]
             if row < rows_left:
                 q_idx, h = row_q_head(row)
+                if const_expr(self.features.varlen):
+                    q_idx = q_idx + offset_q
                 out_row = mOAccum[q_idx, h, None]
                 for c in cutlass.range_constexpr(cute.size(O.shape[1])):
                     col = coords[r, c][1]
