@@ -392,11 +392,14 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     total_q, heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     device = q.device
-    # every check before anything runs: the KV-cache call's own on its shapes (batch, max_seqlen_q
-    # queries), cu_seqlens_k[1:] standing in for the key counts (a subtraction on the device)
-    plan = check_kvcache_args(q.new_empty((batch, max_seqlen_q, heads, head_dim)), k_cache, v_cache,
-                              cache_seqlens=seqused_k if seqused_k is not None else cu_seqlens_k[1:],
-                              block_table=block_table)
+    # every check before anything runs: the KV-cache call's own on a stand-in of its shapes (batch,
+    # max_seqlen_q queries; a broadcast view, no memory), cu_seqlens_k[1:] for the key counts (a
+    # subtraction on the device), then the packed q's own layout
+    q_like = q.new_empty((1, 1, 1, head_dim)).expand(batch, max_seqlen_q, heads, head_dim)
+    plan = check_kvcache_args(q_like, k_cache, v_cache, block_table=block_table,
+                              cache_seqlens=seqused_k if seqused_k is not None else cu_seqlens_k[1:])
+    _check_layout("q", q)
+    _check_cuda("q", q)
     opts = _score_options(causal, softmax_scale, head_dim, window_size, softcap, alibi_slopes is not None)
     slopes = _alibi_slopes(alibi_slopes, batch, heads, device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):

@@ -764,5 +764,7 @@ def test_varlen_block_table_errors(no_device_check):
         call(q, k_pages, v_pages, cu_q, cu_k, 3, 5, block_table=table.long())
     with pytest.raises(ValueError, match="block_table must have shape"):
         call(q, k_pages, v_pages, cu_q, cu_k, 3, 5, block_table=table[:1])
+    with pytest.raises(ValueError, match="q must be contiguous in its last dim"):
+        call(q.transpose(1, 2).contiguous().transpose(1, 2), k_pages, v_pages, cu_q, cu_k, 3, 5, block_table=table)
     with pytest.raises(NotImplementedError, match="block_table has no backward"):
         call(q.requires_grad_(), k_pages, v_pages, cu_q, cu_k, 3, 5, block_table=table)
