@@ -100,6 +100,14 @@ def test_decode_arguments(bench):
     assert args.decode_latency and not args.decode and args.paged == [128]
 
 
+def test_paged_varlen_arguments_and_cases(bench):
+    args = bench._parser().parse_args(["--paged-varlen"])
+    assert args.paged_varlen and args.paged_varlen_page == 16 and not args.decode
+    assert bench._parser().parse_args(["--paged-varlen", "--paged-varlen-page", "1"]).paged_varlen_page == 1
+    for name, lens_q, lens_k in bench.PAGED_VARLEN_CASES:  # one query and key count per sequence
+        assert len(lens_q) == len(lens_k) and min(lens_k) >= 1, name
+
+
 def test_decode_rows_and_bytes(bench):
     shapes = bench.decode_shapes(bench.DECODE_TABLE, [1024, 4096], (32, 8), [64, 256], 128)
     table = [s for s in shapes if s["part"] == "table"]

@@ -13,6 +13,7 @@
     python tools/bench.py --decode                        # KV-cache decode: issue 14's table (dense, paged), Sk sweep
     python tools/bench.py --decode --decode-sk            # the decode table only (--decode-sweep-only: the sweep only)
     python tools/bench.py --decode-latency                # wall time per decode call from Python (host overhead)
+    python tools/bench.py --paged-varlen                  # flash_attn_varlen_func(block_table=): chunked-prefill batches
 
 Peers: torch SDPA with the flash (FlashAttention-2) and cuDNN backends, and FlashAttention-4
 (``flash_attn.cute``) when importable. Batch = tokens / seqlen, heads = 2048 / head_dim (``--gqa G``:
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -286,11 +288,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="wall time per call from Python over back-to-back calls at B1 Sq1 Sk4096 heads 32/8 "
                         "(host overhead); alone or with --decode")
     d.add_argument("--decode-latency-calls", type=int, default=2000)
+    d.add_argument("--paged-varlen", action="store_true",
+                   help="flash_attn_varlen_func(..., block_table) on PAGED_VARLEN_CASES (prefill chunks and decode "
+                        "rows over a paged cache, causal, d --decode-head-dim, heads 32/8) beside FA4's "
+                        "flash_attn_varlen_func(page_table, seqused_k): microseconds per call")
+    d.add_argument("--paged-varlen-page", type=int, default=16, help="--paged-varlen: keys per page")
     return p
 
 
 def main(argv=None):
     args = _parser().parse_args(argv)
+    if args.paged_varlen:
+        return paged_varlen_rows(args)
     if args.decode or args.decode_latency:
         return decode_rows(args)
     if args.window is not None or args.softcap is not None or args.varlen:
@@ -527,6 +536,69 @@ DECODE_SWEEP_SK = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 DECODE_SWEEP_HEADS = (32, 8)
 DECODE_LATENCY_SHAPE = (1, 1, 4096, 32, 8)  # the issue's host-overhead bar: B1, Sk 4096
 COPY_ELEMENTS = 2**29  # the device-copy reference: 1 GiB of bf16 copied (2 GiB moved)
+
+
+# flash_attn_varlen_func(block_table=): (name, query rows per sequence, keys per sequence), causal
+PAGED_VARLEN_CASES = (
+    ("4 prefill chunks of 1024 queries", (1024,) * 4, (2048, 3072, 4096, 1024)),
+    ("64 decode rows over 4096 keys", (1,) * 64, (4096,) * 64),
+    ("2 chunks of 512 queries + 30 decode rows", (512, 512) + (1,) * 30, (2048, 1024) + (4096,) * 30),
+)
+
+
+def paged_varlen_rows(args) -> list[dict]:
+    """``--paged-varlen``: cute_attn's paged varlen call and FA4's on the same packed queries and
+    shuffled page pool, each checked against the other first; median microseconds per call over
+    --rounds shuffled rounds of do_bench."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    import cute_attn
+
+    try:
+        from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+    except Exception as e:  # noqa: BLE001
+        fa4_varlen = None
+        print(f"# FlashAttention-4 not importable ({type(e).__name__}: {e}): cute_attn alone", file=sys.stderr)
+    heads, heads_kv, d, page = 32, 8, args.decode_head_dim, args.paged_varlen_page
+    print(f"flash_attn_varlen_func(block_table=), {page}-key pages, d{d} heads {heads}/{heads_kv}, causal: us per call")
+    print("| batch | cute_attn | FA4 paged | cute_attn speed / FA4 |\n|---|---|---|---|")
+    rows = []
+    for name, lens_q, lens_k in PAGED_VARLEN_CASES:
+        torch.manual_seed(0)
+        batch = len(lens_q)
+        q = torch.randn(sum(lens_q), heads, d, device="cuda", dtype=dtype)
+        max_pages = max(-(-n // page) for n in lens_k)
+        k_pages, v_pages = (torch.randn(batch * max_pages, page, heads_kv, d, device="cuda", dtype=dtype)
+                            for _ in range(2))
+        table = torch.randperm(batch * max_pages, device="cuda").view(batch, max_pages).to(torch.int32)
+
+        def offsets(lens):
+            return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+
+        cu_q, cu_k = offsets(lens_q), offsets(lens_k)
+        used = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
+        impls = {"cute_attn": lambda: cute_attn.flash_attn_varlen_func(
+            q, k_pages, v_pages, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, block_table=table)}
+        if fa4_varlen is not None:
+            impls["FA4 paged"] = lambda: fa4_varlen(q, k_pages, v_pages, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q),
+                                                    seqused_k=used, page_table=table, causal=True)
+        times = {n: [] for n in impls}
+        with torch.no_grad():
+            outs = {n: (lambda o: o[0] if isinstance(o, tuple) else o)(fn()) for n, fn in impls.items()}
+            if len(outs) == 2:
+                diff = (outs["cute_attn"].float() - outs["FA4 paged"].float()).abs().max().item()
+                if diff > 0.05:
+                    print(f"# {name}: cute_attn and FA4 differ by {diff:.3g}; not timed", file=sys.stderr)
+                    continue
+            for _ in range(args.rounds):
+                order = list(impls)
+                random.shuffle(order)
+                for n in order:
+                    times[n].append(_time_ms(impls[n], 100) * 1e3)
+        row = {"case": name, "page_size": page, **{n: statistics.median(t) for n, t in times.items()}}
+        rows.append(row)
+        ratio = f"{row['FA4 paged'] / row['cute_attn']:.2f}x" if "FA4 paged" in row else "-"
+        print(f"| {name} | {row['cute_attn']:.0f} | {row.get('FA4 paged', float('nan')):.0f} | {ratio} |", flush=True)
+    return rows
 
 
 def decode_pages(seqlen_k: int, page_size: int) -> int:
