@@ -572,6 +572,7 @@ _DECODE_CTAS_PER_SM = 1
 # 2.94 against 2.84, B16 Sq4 3.02 against 2.95 (d64 and d128 dense: 2.33 / 2.70 against 2.43 / 2.80;
 # docs/performance.md).
 _DECODE_CTAS_PER_SM_LATENCY_BOUND = 2
+_SMEM_RESERVED_PER_CTA = 1024  # shared memory the driver keeps per CTA (ncu: shared_mem_per_block_driver)
 
 
 def decode_slots(num_sms: int, traits, smem_capacity: int | None = None, page_size: int = 0) -> int:
@@ -581,7 +582,7 @@ def decode_slots(num_sms: int, traits, smem_capacity: int | None = None, page_si
     from cute_attn.traits import pages_by_rows
 
     latency_bound = pages_by_rows(page_size) or traits.num_stages == 1
-    two_fit = smem_capacity is None or 2 * (traits.smem_bytes() + 1024) <= smem_capacity
+    two_fit = smem_capacity is None or 2 * (traits.smem_bytes() + _SMEM_RESERVED_PER_CTA) <= smem_capacity
     per_sm = _DECODE_CTAS_PER_SM_LATENCY_BOUND if latency_bound and two_fit else _DECODE_CTAS_PER_SM
     return num_sms * per_sm
 
