@@ -58,6 +58,7 @@ from cute_attn.traits import (
     sm80_forward_traits,
     sm90_backward_traits,
     sm90_forward_traits,
+    sm90_pages,
     sm90_seqlen_tier,
     sm90_seqlen_tiers,
 )
@@ -98,15 +99,21 @@ def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capac
     max_seqlen_q. ``features``: the optional features compiled in (kernels/features.py); the
     decode features (KV cache, paged, split-KV, packed GQA) run the SM80-family kernel with the
     decode traits on every GPU, tile_n dividing ``page_size`` when paged, or a page per row
-    (features.paged_rows) where the page size has no power-of-two factor of 64 keys."""
-    if features.decode:
+    (features.paged_rows) where the page size has no power-of-two factor of 64 keys. A paged
+    varlen forward without those (flash_attn_varlen_func's block_table) asked of ``kernel="sm90"``
+    runs the SM90 forward where it has an entry and takes the page size (traits.sm90_pages);
+    one key serves every such page size."""
+    tier = sm90_seqlen_tier(head_dim, causal, seqlen) if kernel == "sm90" and traits is None else 0
+    sm90_paged = (features.paged and features.varlen and not features.decode and kernel == "sm90"
+                  and target == "sm_90a" and traits is None and sm90_pages(page_size)
+                  and bool(sm90_forward_traits(head_dim, causal, smem_capacity, tier)))
+    if features.decode or (features.paged and not sm90_paged):
         if traits is None:
             traits = sm80_decode_traits(head_dim, smem_capacity, page_size)
         if features.paged and pages_by_rows(page_size):
             features = dataclasses.replace(features, paged_rows=True)
         return _forward_key(target, dtype, head_dim, causal, None, traits, "sm80", 0, features)
     # every sequence length of a tier maps to one cached key
-    tier = sm90_seqlen_tier(head_dim, causal, seqlen) if kernel == "sm90" and traits is None else 0
     return _forward_key(target, dtype, head_dim, causal, smem_capacity, traits, kernel, tier, features)
 
 
@@ -341,9 +348,7 @@ def _fake_decode_args(features: Features) -> tuple:
     if features.kvcache:
         batch = sym()
         per_seq = tuple(make_fake_tensor(cutlass.Int32, (batch,), stride=(1,), assumed_align=4) for _ in range(2))
-    table = None
-    if features.paged:
-        table = make_fake_tensor(cutlass.Int32, (sym(), sym()), stride=(sym64(), 1), assumed_align=4)
+    table = _fake_page_table(features)
     o_accum = lse_accum = None
     if features.split:
         splits, batch, seqlen_q, heads, head_dim = (sym() for _ in range(5))
@@ -352,6 +357,18 @@ def _fake_decode_args(features: Features) -> tuple:
         lse_accum = make_fake_tensor(cutlass.Float32, (splits, batch, heads, seqlen_q),
                                      stride=(sym64(), sym64(), sym64(), 1), assumed_align=4)
     return (*per_seq, table, o_accum, lse_accum, cutlass.Int32(1))
+
+
+def _fake_page_table(features: Features):
+    """The block table ((batch, max_pages) int32, last dim contiguous) of a paged kernel, else None."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    if not features.paged:
+        return None
+    return make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
+                            assumed_align=4)
 
 
 def _fake_row_kernel_args(varlen: bool) -> tuple:
@@ -566,7 +583,8 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
 
         counter = make_fake_tensor(cutlass.Int32, (1,), stride=(1,), assumed_align=4) if t.dynamic_tiles else None
         extra = (cutlass.Int32(132), cutlass.Int32(1), counter)
-    decode = _fake_decode_args(key.features) if key.kernel == "sm80" else ()  # KV cache, split-KV
+    # the SM80 kernel's KV cache and split-KV arguments; the SM90 kernel's block table
+    decode = _fake_decode_args(key.features) if key.kernel == "sm80" else (_fake_page_table(key.features),)
     return _compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), *extra, *_fake_feature_args(key.features),
                     *decode, stream, target=key.target, keep_artifacts=keep_artifacts, ptxas_options=ptxas)
 
@@ -933,7 +951,7 @@ def forward_tier_siblings(key: ForwardKey) -> list[ForwardKey]:
       kernel with split-KV toggled (the split count follows the cache length,
       interface.decode_num_splits).
     An explicit-traits key has no siblings."""
-    if key.features.kvcache or key.features.paged:
+    if key.kernel == "sm80" and (key.features.decode or key.features.paged):
         return [key, _with_features(key, split=not key.features.split)]
     if key.kernel == "sm90":
         siblings = [

@@ -402,14 +402,18 @@ def _launch_forward(q, k, v, out, lse, causal: bool, scale: float, traits=None) 
     _forward_launcher(q, k, opts, traits, q.shape[1], k.shape[1])(q, k, v, out, lse, None, None, None)
 
 
-def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                      page_size: int = 0):
     """The launch for validated tensors shaped like q, k (varlen: batch 1, packed): a function
-    of (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes[, seqused_k])."""
+    of (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes[, seqused_k, block_table]).
+    ``page_size``: k is a paged cache (the SM90 kernel's paged varlen: ``sm90_paged_varlen``)."""
     plan = dispatch.plan_for_device(q.device)
     key = compile_mod.forward_key(
         plan.target, _DTYPE_NAMES[q.dtype], q.shape[3], opts.causal, plan.smem_capacity, traits=traits,
         kernel=plan.kernel, seqlen=sm90_tier_seqlen(max_seqlen_q, max_seqlen_k, opts.causal), features=opts.features,
+        page_size=page_size,
     )
+    assert key.kernel == "sm90" or not opts.features.paged, "a paged cache's SM80 kernel: _decode_launcher"
     kernel = compile_mod.forward_cache.get(key)
     device, scale_log2 = q.device, opts.scale_log2
     extra, dynamic_tiles = (), False
@@ -427,14 +431,16 @@ def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, m
     # the SM80 kernel's decode arguments (KV cache, pages, split-KV: compiled out here)
     decode = (None, None, None, None, None, 1) if key.kernel == "sm80" else ()
 
-    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
+    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None, block_table=None):
         with torch.cuda.device(device):
-            # the SM90 kernel's tile counter (dynamic tiles: zero at every launch; else none)
-            counter = ()
+            # the SM90 kernel's tile counter (dynamic tiles: zero at every launch; else none) and
+            # block table (paged; else none)
+            counter = table = ()
             if extra:
                 counter = (torch.zeros(1, dtype=torch.int32, device=device) if dynamic_tiles else None,)
+                table = (block_table,)
             kernel(q, k, v, out, lse, scale_log2, *extra, *counter, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                   alibi_slopes, *scalars, *decode)
+                   alibi_slopes, *scalars, *decode, *table)
 
     return launch
 
@@ -518,8 +524,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     lse = torch.empty((batch, plan.heads, plan.seqlen_q), dtype=torch.float32, device=device)
     if out.numel():
-        launch = _decode_launcher(q, k_cache, opts, plan.max_seqlen_k, plan.num_splits, kvcache=True,
-                                  page_size=plan.page_size)
+        # chunks of queries (chunked prefill) on Hopper: the SM90 forward; decode steps: the decode kernel
+        launch = kvcache.sm90_kvcache_launcher(q, opts, plan)
+        if launch is None:
+            launch = _decode_launcher(q, k_cache, opts, plan.max_seqlen_k, plan.num_splits, kvcache=True,
+                                      page_size=plan.page_size)
         launch(q, k_cache, v_cache, out, lse, slopes, (seqused, leftpad, batch_idx, plan.block_table))
         if fast and not torch.cuda.is_current_stream_capturing():
             _remember(_DECODE_LAUNCHES, signature, (launch, seqused, leftpad, batch_idx, tuple(lse.shape)))
@@ -1078,6 +1087,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                           paged=block_table is not None)
     _check_seqused_k(seqused_k, batch, q)
     _score_options(causal, softmax_scale, q.shape[2], window_size, softcap)
+    if block_table is not None and torch.compiler.is_compiling():  # the custom op (integrations/custom_ops.py)
+        from cute_attn.integrations import custom_ops as ops
+
+        scale = None if softmax_scale is None else float(softmax_scale)
+        out, lse = ops.fwd_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                        seqused_k, scale, causal, *window_size, float(softcap), alibi_slopes)
+        return _returned(out, lse, return_attn_probs, return_lse)
     if block_table is not None:
         from cute_attn import kvcache
 

@@ -17,10 +17,13 @@ seqlen_ro. Out of range, a gather or a cache write is a device-side assert on CU
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from cute_attn import compile as compile_mod
+from cute_attn import dispatch
 from cute_attn.interface import _check_cuda, _check_int32, _check_kind, _check_layout
 from cute_attn.traits import MAX_HEAD_DIM
 
@@ -378,6 +381,72 @@ def rotate_q(plan: KVCachePlan, q: torch.Tensor, rotary_cos, rotary_sin, cache_s
     return apply_rotary(q, rotary_cos, rotary_sin, positions, interleaved)
 
 
+def sm90_paged_varlen(q: torch.Tensor, opts, max_seqlen_q: int, page_size: int, batch: int) -> bool:
+    """Whether a paged varlen call of ``batch`` sequences over the packed queries ``q`` runs the SM90
+    forward: on Hopper (not forced to sm80), pages of a multiple of SM90_PAGE_ROWS keys, a head dim
+    the SM90 table has, and at least SM90_PAGED_MIN_QUERIES queries per sequence on average (known
+    without reading cu_seqlens). Batches of fewer (decode rows, or a few chunks among many decode
+    rows) keep the decode kernel, which packs a K/V head's query heads into its rows and splits
+    long caches; the SM90 forward runs a tile of 128 rows per query head."""
+    from cute_attn.traits import SM90_PAGED_MIN_QUERIES
+
+    if max_seqlen_q < SM90_PAGED_MIN_QUERIES or q.shape[0] < SM90_PAGED_MIN_QUERIES * batch:
+        return False
+    plan = dispatch.plan_for_device(q.device)
+    features = dataclasses.replace(opts.features, varlen=True, seqused=True, paged=True)
+    key = compile_mod.forward_key(plan.target, "bf16", q.shape[-1], opts.causal, plan.smem_capacity,
+                                  kernel=plan.kernel, seqlen=max_seqlen_q, features=features, page_size=page_size)
+    return key.kernel == "sm90"
+
+
+def sm90_kvcache_launcher(q: torch.Tensor, opts, plan: KVCachePlan):
+    """``flash_attn_with_kvcache`` on the SM90 forward for chunks of queries (chunked prefill): a
+    launch taking interface._decode_launcher's arguments, or None where the decode kernel runs
+    (``sm90_paged_varlen``'s rule on seqlen_q queries per sequence; a num_splits asked for;
+    cache_leftpad; a q whose batch and sequence modes do not merge into rows). The queries run as
+    a packed varlen batch of seqlen_q rows per sequence. A paged cache keeps its block table; a
+    contiguous one is read as pages of seqlen_cache keys, page b the cache row cache_batch_idx[b]
+    (a (batch, 1) block table). The LSE comes out per query head and is transposed into
+    (batch, heads, seqlen_q)."""
+    from cute_attn.interface import _forward_launcher
+
+    batch, seqlen_q, heads, head_dim = q.shape
+    page_size = plan.page_size if plan.paged else plan.cache_len
+    packed = q.stride(0) == seqlen_q * q.stride(1) or batch == 1
+    if plan.num_splits or plan.cache_leftpad is not None or not packed:
+        return None
+    rows = _as_rows(q)
+    if not sm90_paged_varlen(rows[0], opts, seqlen_q, page_size, batch):
+        return None
+    device = q.device
+    features = dataclasses.replace(opts.features, varlen=True, seqused=True, paged=True)
+    run = _forward_launcher(rows, None, dataclasses.replace(opts, features=features), max_seqlen_q=seqlen_q,
+                            max_seqlen_k=plan.max_seqlen_k, page_size=page_size)
+    # sequence b's queries are rows b * seqlen_q: of the packed view; the kernel reads the keys
+    # from seqused_k (cache_seqlens) and the block table, so cu_seqlens_k is not read for them
+    cu_seqlens = _constant(("chunks", batch, seqlen_q), device,
+                           lambda: torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device))
+
+    def launch(q, k_cache, v_cache, out, lse, alibi_slopes, cache):
+        seqused, _, batch_idx, table = cache
+        if table is None:
+            table = batch_idx.unsqueeze(1)
+        lse_rows = torch.empty((heads, batch, seqlen_q), dtype=torch.float32, device=device)
+        run(_as_rows(q), k_cache, v_cache, _as_rows(out), lse_rows.view(1, heads, batch * seqlen_q), cu_seqlens,
+            cu_seqlens, alibi_slopes, seqused, table)
+        lse.copy_(lse_rows.transpose(0, 1))
+
+    return launch
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """(batch, seqlen, heads, d) whose batch and sequence modes merge, as the varlen kernels' packed
+    (1, batch * seqlen, heads, d) view (a view: no copy)."""
+    batch, seqlen, heads, d = t.shape
+    rows = batch * seqlen
+    return t.as_strided((1, rows, heads, d), (rows * t.stride(1), t.stride(1), t.stride(2), t.stride(3)))
+
+
 def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, block_table,
                  seqused_k=None, softmax_scale=None, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
                  alibi_slopes=None):
@@ -385,9 +454,11 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     out (total_q, heads, d) and lse (heads, total_q). The KV-cache kernel with packed queries
     (the varlen feature: sequence b's queries are rows cu_seqlens_q[b]: of q) over the first
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or seqused_k[b]) keys of its pages, split-KV and packed
-    GQA as ``flash_attn_with_kvcache`` picks them. No host synchronisation. Inference only: q, k or
-    v that require grad raise NotImplementedError."""
-    from cute_attn.interface import _alibi_slopes, _decode_launcher, _score_options
+    GQA as ``flash_attn_with_kvcache`` picks them. On Hopper, batches with chunks of at least
+    traits.SM90_PAGED_MIN_QUERIES queries over pages of a multiple of traits.SM90_PAGE_ROWS keys
+    run the SM90 forward instead (wgmma, a TMA load per page piece; ``sm90_paged_varlen``). No host
+    synchronisation. Inference only: q, k or v that require grad raise NotImplementedError."""
+    from cute_attn.interface import _alibi_slopes, _decode_launcher, _forward_launcher, _score_options
 
     total_q, heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
@@ -409,7 +480,14 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     q_packed = q.unsqueeze(0)  # (1, total_q, heads, d): the varlen kernels' view
     out = torch.empty(q_packed.shape, dtype=q.dtype, device=device)
     lse = torch.empty((1, heads, total_q), dtype=torch.float32, device=device)
-    if total_q:
+    if total_q and sm90_paged_varlen(q, opts, max_seqlen_q, plan.page_size, batch):
+        keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        features = dataclasses.replace(opts.features, varlen=True, seqused=True, paged=True)
+        launch = _forward_launcher(q_packed, k_cache, dataclasses.replace(opts, features=features),
+                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=min(max_seqlen_k, plan.cache_len),
+                                   page_size=plan.page_size)
+        launch(q_packed, k_cache, v_cache, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, keys, block_table)
+    elif total_q:
         keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         launch = _decode_launcher(q_packed, k_cache, opts, min(max_seqlen_k, plan.cache_len), 0, kvcache=False,
                                   page_size=plan.page_size, varlen=(batch, max_seqlen_q))

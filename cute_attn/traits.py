@@ -232,6 +232,27 @@ def sm80_decode_traits(head_dim: int, smem_capacity: int | None = None, page_siz
 PAGE_BLOCK_MIN = 64
 
 
+# The SM90 forward reads a paged cache (flash_attn_varlen_func's block_table) with one TMA load per
+# SM90_PAGE_ROWS keys of a page, so it takes pages of a multiple of that many keys (vLLM's default
+# 16, 32, 64, ...); others run the decode kernel. Every SM90 tile_n (128, 112, 80) is a multiple.
+SM90_PAGE_ROWS = 16
+
+
+# A paged varlen batch (and a KV-cache call) runs the SM90 forward when its sequences have at least
+# this many queries on average, a full 128-row tile per query head (kvcache.sm90_paged_varlen).
+# Measured on H100 (d128 bf16 heads 32/8, causal, 16-key pages; the SM90 forward against the decode
+# kernel, us, two device calls): 4 chunks of 1024 queries 237 / 522 and 239 / 521, 16 of 128
+# 188 / 381 and 218 / 377, but 8 chunks of 64 over 8192 keys 226 / 263 and 307 / 260 (half of each
+# SM90 tile empty; the decode kernel packs the 4 query heads of a K/V head into its rows) and 2 chunks
+# of 512 + 30 decode rows 457 / 275.
+SM90_PAGED_MIN_QUERIES = 128
+
+
+def sm90_pages(page_size: int) -> bool:
+    """Whether the SM90 forward can read a paged cache of ``page_size`` keys."""
+    return page_size > 0 and page_size % SM90_PAGE_ROWS == 0
+
+
 def pages_by_rows(page_size: int) -> bool:
     """Whether a paged cache of ``page_size`` keys runs the decode kernel with a page per row
     (features.paged_rows) rather than a K/V block per page."""

@@ -58,12 +58,16 @@ def _keys(all_variants):
     ] + [forward_key("sm_90a", "bf16", 128, False, kernel="sm90", seqlen=8192)] + [  # K/V multicast
         # KV-cache decode: the SM80-family kernel with its decode traits on every target
         forward_key(t, dt, d, c, kernel="sm90", features=f, page_size=page) for t, dt, d, c, f, page in DECODE_SUBSET
+    ] + [  # flash_attn_varlen_func's block_table on the SM90 forward: a TMA load per 16 keys of a page
+        forward_key("sm_90a", "bf16", 128, True, kernel="sm90", seqlen=1024, features=SM90_PAGED, page_size=16),
+        forward_key("sm_90a", "fp16", 256, False, kernel="sm90", seqlen=4096, features=SM90_PAGED, page_size=64),
     ] + [  # varlen with seqused_k and the other score features, both families
         forward_key("sm_90a", "bf16", 128, True, kernel="sm90", features=VARLEN_ALL),
         forward_key("sm_80", "fp16", 64, False, features=VARLEN_ALL),
     ]
 
 
+SM90_PAGED = Features(varlen=True, seqused=True, paged=True)
 # varlen + seqused_k + window + softcap + ALiBi in one kernel
 VARLEN_ALL = Features(varlen=True, seqused=True, local=True, softcap=True, alibi=True)
 
@@ -159,6 +163,10 @@ def test_forward_variant_compiles_to_expected_instructions(fwd_key):
         if fn.traits.kv_multicast:  # K/V reach both CTAs of a cluster through TMA multicast
             assert "multicast::cluster" in ptx and "barrier.cluster.wait" in ptx
             assert "mbarrier.arrive.shared::cluster" in ptx, "consumers release the other CTA's stages"
+        if fwd_key.features.paged:  # a TMA load per 16-key piece of a block (each from its own page)
+            pieces = fn.traits.tile_n // 16
+            assert counts["cp.async.bulk.tensor"] >= 4 * pieces, f"{fwd_key.name}: too few TMA loads for the pieces"
+            assert "shfl.sync" in ptx, "the pieces' pages are read by one lane each and shuffled"
         # the register split leaves no room for spills anywhere in the SM90 table
         assert res["stack_frame"] == 0, f"{fwd_key.name}: {res['stack_frame']} bytes of local memory (spills)"
         return

@@ -123,6 +123,39 @@ def test_page_sizes_share_kernels(head_dim):
                                           features=Features(kvcache=True, split=True, pack_gqa=True)).candidates
 
 
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True), (192, True), (256, False)])
+def test_sm90_paged_varlen_keys(head_dim, causal):
+    """flash_attn_varlen_func's block_table asked of the SM90 family: one SM90 forward key for
+    every page size that is a multiple of 16 keys, its length tiers built together (no split
+    sibling: the SM90 forward has none); other page sizes, the sm80 family and the sm_80 target
+    run the decode kernel."""
+    from cute_attn.compile import forward_key, forward_tier_siblings
+    from cute_attn.kernels.features import Features
+
+    paged = Features(varlen=True, seqused=True, paged=True)
+    smem = 227 * 1024
+    keys = {forward_key("sm_90a", "bf16", head_dim, causal, smem, kernel="sm90", seqlen=1000, features=paged,
+                        page_size=p) for p in range(16, 1025, 16)}
+    assert len(keys) == 1
+    key = keys.pop()
+    assert key.kernel == "sm90" and key.features == paged and key.head_dim == head_dim
+    assert all(t.tile_n % 16 == 0 and not t.kv_multicast for t in key.candidates)
+    siblings = forward_tier_siblings(key)
+    assert key in siblings and all(s.kernel == "sm90" and s.features == paged for s in siblings)
+    for page_size in (1, 5, 8, 24, 40, 100):
+        other = forward_key("sm_90a", "bf16", head_dim, causal, smem, kernel="sm90", seqlen=1000, features=paged,
+                            page_size=page_size)
+        assert other.kernel == "sm80" and other.features.paged_rows and other.candidates[0].tile_m == 64
+    for target, kernel in (("sm_90a", "sm80"), ("sm_80", "sm80")):
+        other = forward_key(target, "bf16", head_dim, causal, smem, kernel=kernel, seqlen=1000, features=paged,
+                            page_size=64)
+        assert other.kernel == "sm80" and other.candidates[0].tile_m == 64
+    # the decode features keep the decode kernel whatever the family
+    decode = Features(varlen=True, seqused=True, paged=True, split=True, pack_gqa=True)
+    assert forward_key("sm_90a", "bf16", head_dim, causal, smem, kernel="sm90", features=decode,
+                       page_size=64).kernel == "sm80"
+
+
 def test_two_ctas_per_sm_where_one_waits():
     """Pages read a page per row and the one-stage kernels (d192, d256) fill both decode slots of
     an SM where two CTAs fit; dense and block-per-page caches at d32-d128 one."""

@@ -298,7 +298,8 @@ def kvcache_instances(seed: int) -> list[dict]:
     instances = []
     for _ in range(INSTANCES):
         heads_kv = rng.randint(1, 8)
-        seqlen_q = rng.choice([1, 1, 1, 2, 4, 7, 17, 40])
+        # 130 and 300: chunked prefill (on Hopper the SM90 forward where the cache allows it)
+        seqlen_q = rng.choice([1, 1, 1, 2, 4, 7, 17, 40, 130, 300])
         seqlen_new = 0 if rng.random() < 0.5 else rng.choice([1, seqlen_q, rng.randint(1, 40)])
         page = cfg.page_size
         capacity = rng.randint(1, 3000) + seqlen_new
@@ -364,7 +365,7 @@ def fuzz_keys(seeds=None, smem_capacity: int = 227 * 1024) -> list:
     building the cache ahead of time."""
     from cute_attn.compile import backward_keys, backward_post_key, combine_key, forward_key, forward_tier_siblings
     from cute_attn.interface import _DTYPE_NAMES, _score_options
-    from cute_attn.traits import sm80_decode_traits, sm90_tier_seqlen
+    from cute_attn.traits import SM90_PAGED_MIN_QUERIES, sm80_decode_traits, sm90_pages, sm90_tier_seqlen
 
     seeds = range(FIRST_SEED, FIRST_SEED + NUM_SEEDS) if seeds is None else seeds
     keys: dict = {}
@@ -395,4 +396,11 @@ def fuzz_keys(seeds=None, smem_capacity: int = 227 * 1024) -> list:
             fwd = forward_key("sm_90a", kv_dtype, kv.head_dim, opts.causal, smem_capacity, features=features,
                               traits=sm80_decode_traits(kv.head_dim, smem_capacity, page_size), page_size=page_size)
             keys.update(dict.fromkeys(forward_tier_siblings(fwd) + [combine_key("sm_90a", kv_dtype, kv.head_dim)]))
+            # a chunk of queries: the SM90 forward over the cache as pages (kvcache.sm90_kvcache_launcher)
+            pages = page_size or inst["capacity"]
+            if inst["seqlen_q"] >= SM90_PAGED_MIN_QUERIES and sm90_pages(pages):
+                paged = dataclasses.replace(opts.features, varlen=True, seqused=True, paged=True)
+                fwd = forward_key("sm_90a", kv_dtype, kv.head_dim, opts.causal, smem_capacity, kernel="sm90",
+                                  seqlen=inst["seqlen_q"], features=paged, page_size=pages)
+                keys.update(dict.fromkeys(forward_tier_siblings(fwd)))
     return list(keys)

@@ -523,6 +523,35 @@ def test_torch_compile_and_opcheck():
     torch.library.opcheck(torch.ops.cute_attn.fwd_kvcache, args)
 
 
+# ---------------------------------------------------------------------------- chunked prefill
+@pytest.mark.parametrize("page_size,head_dim,options", [
+    (None, 128, dict(causal=True)), (16, 128, dict(causal=True)), (64, 64, dict()),
+    (None, 256, dict(causal=True, window_size=(200, 0))), (16, 96, dict(causal=True, softcap=30.0)),
+    (128, 128, dict(causal=True, alibi="per_batch")), (None, 192, dict()), (32, 128, dict(causal=True, rotary=64)),
+])
+def test_chunked_prefill(page_size, head_dim, options):
+    """flash_attn_with_kvcache with chunks of 128 and 200 queries whose own keys are appended first
+    (chunked prefill; on Hopper the SM90 forward, which reads a contiguous cache as a page per cache
+    row: here through cache_batch_idx into a cache of 5 rows), against the reference; cache_seqlens
+    0, 1, full and random; GQA 16/4; rotary on one case. A contiguous cache of 1000 rows is no
+    multiple of 16 keys: the decode kernel there."""
+    batch, heads, heads_kv = 4, 16, 4
+    for seqlen_q, capacity in ((128, 1000 if page_size is None else 1024), (200, 1024)):
+        q, k_cache, v_cache, k, v = decode_inputs(batch, seqlen_q, heads, heads_kv, head_dim, capacity, BF16, seqlen_q,
+                                                  batch_cache=None if page_size else 5)
+        opts = _options(options, batch, heads)
+        rotary_dim = opts.pop("rotary", 0)
+        if rotary_dim:
+            opts["rotary_cos"], opts["rotary_sin"] = rotary_tables(capacity, rotary_dim, BF16)
+        if page_size:
+            k_cache, v_cache, opts["block_table"] = to_paged(k_cache, v_cache, page_size)
+        else:
+            opts["cache_batch_idx"] = torch.tensor([4, 0, 2, 1], dtype=torch.int32, device="cuda")
+        lengths = cache_lengths(batch, capacity, seqlen_q)
+        case = f"page={page_size} d={head_dim} sq={seqlen_q} cap={capacity} {options} lens={lengths.tolist()}"
+        check_kvcache(q, k_cache, v_cache, case, k, v, cache_seqlens=lengths, **opts)
+
+
 # ---------------------------------------------------------------------------- flash_attn_varlen_func(block_table=)
 @pytest.mark.parametrize("page_size,head_dim,options", [
     (16, 128, dict(causal=True)), (64, 128, dict()), (16, 64, dict(window_size=(100, 0))),
@@ -533,25 +562,67 @@ def test_varlen_block_table(page_size, head_dim, options):
     """FlashAttention-2's paged varlen call (vLLM's chunked prefill and decode in one batch): packed
     queries of 0, 1, 17, 5, 129 and 40 rows over paged keys of 0, 30, 17, 200, 129 and 1000
     positions, GQA 8/2, against the fp32 reference run sequence by sequence; max_seqlen_q above the
-    longest; outputs poisoned first; split-KV as the heuristic picks it and forced (num_splits is
-    not an argument here: auto only). Under torch.no_grad (no backward)."""
+    longest; outputs poisoned first; split-KV as the heuristic picks it (num_splits is not an
+    argument here: auto only). Under torch.no_grad (no backward). 32 queries per sequence on
+    average: the decode kernel under both families (kvcache.sm90_paged_varlen)."""
+    check_varlen_block_table(page_size, head_dim, options, [0, 1, 17, 5, 129, 40], [0, 30, 17, 200, 129, 1000], 140)
+
+
+@pytest.mark.parametrize("page_size,head_dim,options", [
+    (16, 128, dict(causal=True)), (32, 64, dict()), (256, 128, dict(window_size=(500, 0))),
+    (48, 96, dict(causal=True, softcap=30.0)), (16, 192, dict(causal=True)), (64, 256, dict()),
+    (128, 128, dict(causal=True, alibi_slopes="per batch")), (16, 128, dict(causal=True, seqused_k="7 fewer")),
+    (16, 64, dict(window_size=(300, 50))), (16, 32, dict(causal=True)),
+])
+def test_varlen_block_table_prefill(page_size, head_dim, options):
+    """The paged varlen call on chunked-prefill batches (long query chunks, the SM90 forward's
+    case on Hopper: a TMA load per 16 keys of a page): chunks of 0, 1, 130, 1000, 257 and 64
+    queries over 5, 64, 300, 1000, 2000 and 17 keys (the last sees fewer keys than it has queries:
+    bottom-right aligned, its first rows see none under causal), every head dim, page sizes 16 to
+    256, causal, windows, softcap, ALiBi, seqused_k."""
+    check_varlen_block_table(page_size, head_dim, options, [0, 1, 130, 1000, 257, 64], [5, 64, 300, 1000, 2000, 17],
+                             1000)
+
+
+def test_varlen_block_table_compiled():
+    """The paged varlen call under torch.compile(fullgraph=True) (the custom op fwd_varlen_paged)
+    equals the eager call; opcheck passes on the op."""
+    g = generator()
+    lens_q, lens_k, page = [130, 3, 300], [300, 40, 300], 16  # 144 queries per sequence: the SM90 forward
+    q = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=BF16, generator=g)
+    k_dense, v_dense = (torch.randn(3, 304, 2, 128, device="cuda", dtype=BF16, generator=g) for _ in range(2))
+    k_pages, v_pages, table = to_paged(k_dense, v_dense, page)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")  # noqa: E731
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    call = lambda q, kp, vp, cq, ck, t: cute_attn.flash_attn_varlen_func(  # noqa: E731
+        q, kp, vp, cq, ck, 300, 300, causal=True, block_table=t)
+    with torch.no_grad():
+        eager = call(q, k_pages, v_pages, cu_q, cu_k, table)
+        torch._dynamo.reset()
+        got = torch.compile(call, fullgraph=True)(q, k_pages, v_pages, cu_q, cu_k, table)
+    assert torch.equal(got, eager)
+    torch.library.opcheck(torch.ops.cute_attn.fwd_varlen_paged,
+                          (q, k_pages, v_pages, cu_q, cu_k, 300, 300, table, None, None, True, -1, -1, 0.0, None))
+
+
+def check_varlen_block_table(page_size, head_dim, options, lens_q, lens_k, max_q):
     from cute_attn.reference import attention_reference
 
     g = generator()
-    lens_q, lens_k = [0, 1, 17, 5, 129, 40], [0, 30, 17, 200, 129, 1000]
     options = dict(options)
     if options.get("alibi_slopes") == "per batch":
         options["alibi_slopes"] = alibi(len(lens_q), 8, per_batch=True)
     used = None
     if options.pop("seqused_k", None):
         used = [max(0, n - 7) for n in lens_k]
-    heads, heads_kv, max_q = 8, 2, 140
+    heads, heads_kv = 8, 2
     q = torch.randn(sum(lens_q), heads, head_dim, device="cuda", dtype=BF16, generator=g)
     ks = [torch.randn(n, heads_kv, head_dim, device="cuda", dtype=BF16, generator=g) for n in lens_k]
     vs = [torch.randn(n, heads_kv, head_dim, device="cuda", dtype=BF16, generator=g) for n in lens_k]
     capacity = -(-max(lens_k) // page_size) * page_size
-    k_dense = torch.zeros(len(lens_k), capacity, heads_kv, head_dim, device="cuda", dtype=BF16)
-    v_dense = torch.zeros_like(k_dense)
+    # the rows past each sequence's keys hold other numbers: they must not be attended
+    k_dense, v_dense = (torch.randn(len(lens_k), capacity, heads_kv, head_dim, device="cuda", dtype=BF16, generator=g)
+                        for _ in range(2))
     for b, n in enumerate(lens_k):
         k_dense[b, :n], v_dense[b, :n] = ks[b], vs[b]
     k_pages, v_pages, table = to_paged(k_dense, v_dense, page_size)

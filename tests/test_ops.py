@@ -133,6 +133,36 @@ def test_compile_fullgraph_kvcache():
         assert out.shape == q.shape and lse.shape == (2, 8, 1) and lse.dtype == torch.float32
 
 
+def test_compile_fullgraph_varlen_paged():
+    """flash_attn_varlen_func with a block_table (FlashAttention-2's positional order) traces as one
+    op (no graph break); its fake gives the shapes of out and lse."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def prefill(q, k_pages, v_pages, cu_q, cu_k, table):
+        return cute_attn.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 60, 70, 0.0, None, True, (-1, -1),
+                                                0.0, None, False, False, table) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(prefill, backend=backend, fullgraph=True)
+    q = torch.randn(100, 8, 64, dtype=torch.bfloat16)
+    k_pages, v_pages = (torch.randn(10, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 40, 100], dtype=torch.int32), torch.tensor([0, 30, 100], dtype=torch.int32)
+    table = torch.arange(10, dtype=torch.int32).view(2, 5)
+    with pytest.raises(ValueError, match="must be a CUDA tensor|must be on"):
+        compiled(q, k_pages, v_pages, cu_q, cu_k, table)
+    assert len(graphs) == 1 and graphs[0].code.count("torch.ops.cute_attn.fwd_varlen_paged.default") == 1
+    with FakeTensorMode():
+        fq, fk, fv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k_pages, v_pages))
+        fcq, fck, ft = (torch.empty(t.shape, dtype=t.dtype) for t in (cu_q, cu_k, table))
+        out, lse = torch.ops.cute_attn.fwd_varlen_paged(fq, fk, fv, fcq, fck, 60, 70, ft, None, None, True, -1, -1,
+                                                        0.0, None)
+        assert out.shape == q.shape and lse.shape == (8, 100) and lse.dtype == torch.float32
+
+
 def test_backward_keeps_the_forwards_forced_arch(monkeypatch):
     """force_arch is per thread and autograd runs a CUDA backward in a thread of its own: the
     autograd functions (eager flash_attn_func and flash_attn_varlen_func, and the custom ops' autograd

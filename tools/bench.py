@@ -543,13 +543,16 @@ PAGED_VARLEN_CASES = (
     ("4 prefill chunks of 1024 queries", (1024,) * 4, (2048, 3072, 4096, 1024)),
     ("64 decode rows over 4096 keys", (1,) * 64, (4096,) * 64),
     ("2 chunks of 512 queries + 30 decode rows", (512, 512) + (1,) * 30, (2048, 1024) + (4096,) * 30),
+    ("16 chunks of 128 queries", (128,) * 16, (1024, 4096) * 8),
+    ("8 chunks of 64 queries over 8192 keys", (64,) * 8, (8192,) * 8),
 )
 
 
 def paged_varlen_rows(args) -> list[dict]:
     """``--paged-varlen``: cute_attn's paged varlen call and FA4's on the same packed queries and
     shuffled page pool, each checked against the other first; median microseconds per call over
-    --rounds shuffled rounds of do_bench."""
+    --rounds shuffled rounds of do_bench. On Hopper also cute_attn's decode kernel alone (under
+    force_arch("sm80")), beside the kernel the rule picks (kvcache.sm90_paged_varlen)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     import cute_attn
 
@@ -560,7 +563,9 @@ def paged_varlen_rows(args) -> list[dict]:
         print(f"# FlashAttention-4 not importable ({type(e).__name__}: {e}): cute_attn alone", file=sys.stderr)
     heads, heads_kv, d, page = 32, 8, args.decode_head_dim, args.paged_varlen_page
     print(f"flash_attn_varlen_func(block_table=), {page}-key pages, d{d} heads {heads}/{heads_kv}, causal: us per call")
-    print("| batch | cute_attn | FA4 paged | cute_attn speed / FA4 |\n|---|---|---|---|")
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    print("| batch | kernel picked | cute_attn | cute_attn decode kernel | FA4 paged | cute_attn speed / FA4 |\n"
+          "|---|---|---|---|---|---|")
     rows = []
     for name, lens_q, lens_k in PAGED_VARLEN_CASES:
         torch.manual_seed(0)
@@ -576,16 +581,19 @@ def paged_varlen_rows(args) -> list[dict]:
 
         cu_q, cu_k = offsets(lens_q), offsets(lens_k)
         used = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
-        impls = {"cute_attn": lambda: cute_attn.flash_attn_varlen_func(
-            q, k_pages, v_pages, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, block_table=table)}
+        call = lambda: cute_attn.flash_attn_varlen_func(  # noqa: E731
+            q, k_pages, v_pages, cu_q, cu_k, max(lens_q), max(lens_k), causal=True, block_table=table)
+        impls = {"cute_attn": call}
+        if hopper:
+            impls["cute_attn decode kernel"] = lambda: _under_sm80(call)
         if fa4_varlen is not None:
             impls["FA4 paged"] = lambda: fa4_varlen(q, k_pages, v_pages, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q),
                                                     seqused_k=used, page_table=table, causal=True)
         times = {n: [] for n in impls}
         with torch.no_grad():
             outs = {n: (lambda o: o[0] if isinstance(o, tuple) else o)(fn()) for n, fn in impls.items()}
-            if len(outs) == 2:
-                diff = (outs["cute_attn"].float() - outs["FA4 paged"].float()).abs().max().item()
+            if "FA4 paged" in outs:
+                diff = max((o.float() - outs["FA4 paged"].float()).abs().max().item() for o in outs.values())
                 if diff > 0.05:
                     print(f"# {name}: cute_attn and FA4 differ by {diff:.3g}; not timed", file=sys.stderr)
                     continue
@@ -594,11 +602,26 @@ def paged_varlen_rows(args) -> list[dict]:
                 random.shuffle(order)
                 for n in order:
                     times[n].append(_time_ms(impls[n], 100) * 1e3)
-        row = {"case": name, "page_size": page, **{n: statistics.median(t) for n, t in times.items()}}
+        from cute_attn import kvcache
+
+        opts = cute_attn.interface._score_options(True, None, d)
+        picked = "sm90" if kvcache.sm90_paged_varlen(q, opts, max(lens_q), page, batch) else "decode"
+        row = {"case": name, "page_size": page, "picked": picked,
+               **{n: statistics.median(t) for n, t in times.items()}}
         rows.append(row)
         ratio = f"{row['FA4 paged'] / row['cute_attn']:.2f}x" if "FA4 paged" in row else "-"
-        print(f"| {name} | {row['cute_attn']:.0f} | {row.get('FA4 paged', float('nan')):.0f} | {ratio} |", flush=True)
+        cells = " | ".join(f"{row[n]:.0f}" if n in row else "-"
+                           for n in ("cute_attn", "cute_attn decode kernel", "FA4 paged"))
+        print(f"| {name} | {picked} | {cells} | {ratio} |", flush=True)
     return rows
+
+
+def _under_sm80(fn):
+    """``fn()`` with the SM80-family kernels forced (on Hopper: the decode kernel for paged varlen)."""
+    from cute_attn import dispatch
+
+    with dispatch.force_arch("sm80"):
+        return fn()
 
 
 def decode_pages(seqlen_k: int, page_size: int) -> int:

@@ -8,6 +8,7 @@
     torch.ops.cute_attn.fwd_varlen / bwd_varlen: the same with cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k after the tensors (FlashAttention's varlen layout)
     torch.ops.cute_attn.fwd_kvcache: flash_attn_with_kvcache (no autograd; mutates the caches)
+    torch.ops.cute_attn.fwd_varlen_paged: flash_attn_varlen_func with a block_table (no autograd)
 
 Each op has a fake (meta) implementation giving its outputs' shapes, dtypes and strides without
 running anything, so ``torch.compile(fullgraph=True)`` traces through ``flash_attn_func`` and
@@ -166,3 +167,25 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
                       softcap, rotary_interleaved, alibi_slopes, num_splits):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------- paged varlen
+@torch.library.custom_op("cute_attn::fwd_varlen_paged", mutates_args=())
+def fwd_varlen_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, block_table: torch.Tensor,
+                     seqused_k: torch.Tensor | None, softmax_scale: float | None, causal: bool, window_left: int,
+                     window_right: int, softcap: float,
+                     alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attn_varlen_func(..., block_table)``: out (total_q, heads, d) and lse (heads, total_q)."""
+    from cute_attn import kvcache
+
+    return kvcache.varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                block_table, seqused_k, softmax_scale=softmax_scale, causal=causal,
+                                window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes)
+
+
+@fwd_varlen_paged.register_fake
+def _fwd_varlen_paged_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                           seqused_k, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes):
+    total_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((heads, total_q), dtype=torch.float32)

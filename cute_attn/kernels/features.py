@@ -12,11 +12,14 @@ kernel arguments, so a new value never compiles.
 - ``seqused``: varlen with FlashAttention-3's ``seqused_k``: sequence b attends to its first
   seqused_k[b] keys only (an int32 (batch,) tensor; the rest of its K/V rows are ignored).
 
+- ``paged``: K/V rows are gathered through a block table from (pages, page_size, heads_kv, d).
+  The SM80-family forward reads a K/V block at a time from one page (the page size a multiple of
+  its tile_n); the SM90 forward (varlen only: flash_attn_varlen_func's block_table) a piece of
+  traits.SM90_PAGE_ROWS rows at a time (page sizes a multiple of that).
+
 KV-cache decode (SM80-family forward only; interface.flash_attn_with_kvcache):
 - ``kvcache``: per-sequence key counts, first key rows and cache batch rows come from int32
   tensors (cache_seqlens, cache_leftpad, cache_batch_idx) instead of the tensors' shapes.
-- ``paged``: K/V rows are gathered through a block table from (pages, page_size, heads_kv, d),
-  a K/V block at a time (the page size a multiple of the kernel's tile_n).
 - ``paged_rows``: with ``paged``, pages of any size: each row of a K/V block finds its own page
   (one block-table read per row a thread copies, where ``paged`` alone reads one per block).
 - ``split``: the K/V range of each (Q block, head, sequence) is cut into run-time ``num_splits``
@@ -54,8 +57,9 @@ class Features:
 
     @property
     def decode(self) -> bool:
-        """Any of the KV-cache decode features (which only the SM80-family forward has)."""
-        return self.kvcache or self.paged or self.paged_rows or self.split or self.pack_gqa
+        """Any of the KV-cache decode features (which only the SM80-family forward has; ``paged``
+        alone is not one: the SM90 forward has it too)."""
+        return self.kvcache or self.paged_rows or self.split or self.pack_gqa
 
 
 FEATURE_NAMES = (

@@ -58,10 +58,15 @@ from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_rows, ragged_view
 from cute_attn.kernels.softmax import OnlineSoftmax
 from cute_attn.kernels.sm90 import common
 from cute_attn.kernels.sm90.common import WARPGROUP_THREADS, NamedBarrier
+from cute_attn.traits import SM90_PAGE_ROWS
 
 # (consumer, producer) registers per thread after setmaxnreg, by number of consumer warpgroups:
 # the most the consumers can take while the whole CTA stays within 64K registers.
 REGISTER_SPLIT = {1: (256, 56), 2: (240, 24), 3: (160, 32)}
+# paged K/V: the producer's page lookups (a division by the page size, the pages of the block in
+# flight and the next) do not fit 24 registers (ptxas spilled 24-56 bytes); with two consumer
+# warpgroups the consumers give 8 of theirs (no spills at 232)
+PAGED_REGISTER_SPLIT = {2: (232, 40)}
 # dynamic_tiles: tile numbers in flight from the producer to the consumers (this tile's and the next)
 TILE_ID_STAGES = 2
 
@@ -108,6 +113,9 @@ class FlashAttentionForwardSm90:
         self.num_consumer_threads = self.num_consumer_wgs * WARPGROUP_THREADS
         self.num_threads = self.num_consumer_threads + WARPGROUP_THREADS
         self.consumer_regs, self.producer_regs = REGISTER_SPLIT[self.num_consumer_wgs]
+        if features.paged:
+            self.consumer_regs, self.producer_regs = PAGED_REGISTER_SPLIT.get(
+                self.num_consumer_wgs, (self.consumer_regs, self.producer_regs))
         # persistent: one CTA per SM walks the tiles, so a tile's loads overlap the previous tile's
         # epilogue; O then needs a buffer of its own (otherwise it reuses Q's), from which each
         # consumer warpgroup stores its 64 rows without waiting for the others (in Q's buffer,
@@ -131,6 +139,10 @@ class FlashAttentionForwardSm90:
         # a window or per-sequence lengths give the two Q blocks of a cluster different K/V blocks
         # too (and varlen tiles are skipped one by one, not in pairs)
         assert not (kv_multicast and (features.local or features.varlen)), "K/V multicast: no local, no varlen"
+        # paged K/V (flash_attn_varlen_func's block_table): a TMA load per SM90_PAGE_ROWS rows of a
+        # block, each from its own page (``_produce``); the queries are packed (varlen)
+        assert not features.paged or (features.varlen and tile_n % SM90_PAGE_ROWS == 0), "paged: varlen"
+        assert not (features.decode or features.kvcache), "the KV-cache decode features: the SM80-family kernel"
         self.cluster_size = 2 if kv_multicast else 1
         self.features = features
         # Three consumer warpgroups have 160 registers a thread: softcap's or ALiBi's per-element
@@ -162,9 +174,11 @@ class FlashAttentionForwardSm90:
         window_left: Int32,  # local: the window's edges (an unbounded side is huge)
         window_right: Int32,
         softcap_scale: Float32,  # softcap: softmax_scale / softcap
+        mPageTable: cute.Tensor | None,  # paged: (batch, max_pages) int32; K/V are (pages, page_size, heads_kv, d)
         stream: cuda.CUstream,
     ):
         # TMA copies tiles of the first two modes: view the tensors as (seqlen, head_dim, heads, batch)
+        # (paged K/V: (page_size, head_dim, heads_kv, pages))
         mQ, mK, mV, mO = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mO)
         ]
@@ -178,8 +192,14 @@ class FlashAttentionForwardSm90:
         atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_stage, (m, d))
         # K/V: with multicast, each CTA of a cluster loads 1 / cluster_size of a block into all of them
         load_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_size > 1) else load
-        atom_K, tma_K = cpasync.make_tiled_tma_atom(load_kv, mK, sKV_stage, (n, d), num_multicast=self.cluster_size)
-        atom_V, tma_V = cpasync.make_tiled_tma_atom(load_kv, mV, sKV_stage, (n, d), num_multicast=self.cluster_size)
+        kv_box = (n, d)
+        if const_expr(self.features.paged):
+            # one page's piece of SM90_PAGE_ROWS rows: the first rows of a stage's layout (whole
+            # swizzle atoms of 8 rows), so the same atom writes each piece at its row offset
+            kv_box = (SM90_PAGE_ROWS, d)
+            sKV_stage = cute.select(cute.flat_divide(sKV_stage, kv_box), mode=[0, 1])
+        atom_K, tma_K = cpasync.make_tiled_tma_atom(load_kv, mK, sKV_stage, kv_box, num_multicast=self.cluster_size)
+        atom_V, tma_V = cpasync.make_tiled_tma_atom(load_kv, mV, sKV_stage, kv_box, num_multicast=self.cluster_size)
         # varlen: O's store clips at each sequence's end, not at the packed batch's (seqlen_info)
         mO_store = ragged_view(mO) if const_expr(self.features.varlen) else mO
         # O's buffer: (64, d, warpgroup) of its own when each warpgroup stores its own rows, else Q's
@@ -218,7 +238,7 @@ class FlashAttentionForwardSm90:
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, heads_per_section, qheads_per_kvhead, mTileCounter,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, max_seqlen_q, window_left, window_right, softcap_scale,
-            atom_Q, atom_K, atom_V, atom_O, sQ_layout, sKV_layout, sO_layout, mma_qk, mma_pv, SharedStorage,
+            mPageTable, atom_Q, atom_K, atom_V, atom_O, sQ_layout, sKV_layout, sO_layout, mma_qk, mma_pv, SharedStorage,
         ).launch(
             grid=(grid, 1, 1),
             block=[self.num_threads, 1, 1],
@@ -249,6 +269,7 @@ class FlashAttentionForwardSm90:
         window_left: Int32,
         window_right: Int32,
         softcap_scale: Float32,
+        mPageTable: cute.Tensor | None,
         atom_Q: cute.CopyAtom,
         atom_K: cute.CopyAtom,
         atom_V: cute.CopyAtom,
@@ -334,7 +355,7 @@ class FlashAttentionForwardSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._produce(mQ, mK, mV, sQ, sK, sV, atom_Q, atom_K, atom_V, pipe_q, pipe_k, pipe_v, tiles,
-                              *walk_producer, count_tiles)
+                              *walk_producer, count_tiles, mPageTable)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
@@ -560,10 +581,12 @@ class FlashAttentionForwardSm90:
         first_tile,
         next_tile,
         count_tiles,
+        mPageTable: cute.Tensor | None,
     ):
         """TMA loads in the order the consumers need them: K[last], Q, then per block K[n-1]
         before V[n] (the consumers issue the next Q K^T before this block's P V); tile by tile.
-        The blocks are n_block_max - 1 down to n_block_max - num_blocks, as the consumers walk them."""
+        The blocks are n_block_max - 1 down to n_block_max - num_blocks, as the consumers walk them.
+        Paged: each block's pages are read once, for its K (``_block_pages``), and kept for its V."""
         tile_q, tile_kv = (self.tile_m, self.head_dim), (self.tile_n, self.head_dim)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
@@ -577,15 +600,28 @@ class FlashAttentionForwardSm90:
             b = seq.tensor_batch
             # varlen: from the sequence's first row (the rows after its end are masked or not stored)
             gQ = cute.local_tile(seq.q_rows(mQ[None, None, head, b]), tile_q, (m_block, 0))
-            gK = cute.local_tile(seq.k_rows(mK[None, None, head_kv, b]), tile_kv, (None, 0))
-            gV = cute.local_tile(seq.k_rows(mV[None, None, head_kv, b]), tile_kv, (None, 0))
             tQsQ, tQgQ = common.tma_tiles(atom_Q, gQ, sQ)
-            tKsK, tKgK = common.tma_tiles(atom_K, gK, sK, cta_rank, self.cluster_size)
-            tVsV, tVgV = common.tma_tiles(atom_V, gV, sV, cta_rank, self.cluster_size)
-            load_K = partial(self._tma_load, pipe_k, atom_K, tKgK, tKsK)
-            load_V = partial(self._tma_load, pipe_v, atom_V, tVgV, tVsV)
+            if const_expr(self.features.paged):
+                # (rows, d, piece of a page, page) from the pool; a stage as (rows, d, piece, 1, stage)
+                piece = (SM90_PAGE_ROWS, self.head_dim)
+                gK = cute.local_tile(mK[None, None, head_kv, None], piece, (None, 0, None))
+                gV = cute.local_tile(mV[None, None, head_kv, None], piece, (None, 0, None))
+                tKsK, tKgK = common.tma_tiles(atom_K, gK, cute.flat_divide(sK, piece))
+                tVsV, tVgV = common.tma_tiles(atom_V, gV, cute.flat_divide(sV, piece))
+                load_K = partial(self._tma_load_pages, pipe_k, atom_K, tKgK, tKsK)
+                load_V = partial(self._tma_load_pages, pipe_v, atom_V, tVgV, tVsV)
+                pages_of = partial(self._block_pages, mPageTable, seq.batch, seq.seqlen_k, mK.shape[0])
+            else:
+                gK = cute.local_tile(seq.k_rows(mK[None, None, head_kv, b]), tile_kv, (None, 0))
+                gV = cute.local_tile(seq.k_rows(mV[None, None, head_kv, b]), tile_kv, (None, 0))
+                tKsK, tKgK = common.tma_tiles(atom_K, gK, sK, cta_rank, self.cluster_size)
+                tVsV, tVgV = common.tma_tiles(atom_V, gV, sV, cta_rank, self.cluster_size)
+                load_K = partial(self._tma_load, pipe_k, atom_K, tKgK, tKsK)
+                load_V = partial(self._tma_load, pipe_v, atom_V, tVgV, tVsV)
+                pages_of = self._no_pages
 
-            load_K(n_block_max - 1, kv)
+            pages = pages_of(n_block_max - 1)
+            load_K(n_block_max - 1, kv, pages)
             pipe_q.producer_acquire(q_state)  # the consumers are done with this Q buffer's previous tile
             cute.copy(atom_Q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
@@ -597,28 +633,57 @@ class FlashAttentionForwardSm90:
                 for i in cutlass.range(num_blocks - 1, unroll=1):
                     v_state = kv.clone()
                     kv.advance()
-                    load_K(n_block_max - 2 - i, kv)
-                    load_V(n_block_max - 1 - i, v_state)
-                load_V(n_block_max - num_blocks, kv)
+                    next_pages = pages_of(n_block_max - 2 - i)
+                    load_K(n_block_max - 2 - i, kv, next_pages)
+                    load_V(n_block_max - 1 - i, v_state, pages)
+                    pages = next_pages
+                load_V(n_block_max - num_blocks, kv, pages)
                 kv.advance()
             else:
-                load_V(n_block_max - 1, kv)
+                load_V(n_block_max - 1, kv, pages)
                 kv.advance()
                 for i in cutlass.range(num_blocks - 1, unroll=1):
-                    load_K(n_block_max - 2 - i, kv)
-                    load_V(n_block_max - 2 - i, kv)
+                    pages = pages_of(n_block_max - 2 - i)
+                    load_K(n_block_max - 2 - i, kv, pages)
+                    load_V(n_block_max - 2 - i, kv, pages)
                     kv.advance()
             if const_expr(not self.dynamic_tiles):
                 rounds, next_tile_ = next_tile(num_tiles, rounds)
             tile = next_tile_
 
     @cute.jit
-    def _tma_load(self, pipe, atom, src: cute.Tensor, dst: cute.Tensor, n_block: Int32, state):
+    def _tma_load(self, pipe, atom, src: cute.Tensor, dst: cute.Tensor, n_block: Int32, state, pages=None):
         """Wait until ``state``'s stage is free, arm its barrier with the bytes to expect, load block n_block."""
         pipe.producer_acquire(state)
         multicast = {"mcast_mask": cutlass.Int16((1 << self.cluster_size) - 1)} if const_expr(self.cluster_size > 1) else {}
         cute.copy(atom, src[None, n_block], dst[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state),
                   **multicast)
+
+    def _no_pages(self, n_block: Int32):
+        """Not paged: a block is rows of the sequence's own K/V, no pages to look up."""
+        return None
+
+    @cute.jit
+    def _block_pages(self, mPageTable: cute.Tensor, batch: Int32, seqlen_k: Int32, page_size: Int32, n_block: Int32):
+        """Paged: lane j's (page, piece within the page) of rows [SM90_PAGE_ROWS j, SM90_PAGE_ROWS (j + 1))
+        of K/V block n_block, one block-table read per lane. A piece past the sequence's keys gets
+        page -1: TMA fills it with zeros without reading (and the table past its pages is never read)."""
+        row = n_block * self.tile_n + cute.arch.lane_idx() * SM90_PAGE_ROWS
+        column = row // page_size
+        page = Int32(-1)
+        if row < seqlen_k and cute.arch.lane_idx() < self.tile_n // SM90_PAGE_ROWS:
+            page = mPageTable[batch, cutlass.min(column, mPageTable.shape[1] - 1)]
+        return page, (row - column * page_size) // SM90_PAGE_ROWS
+
+    @cute.jit
+    def _tma_load_pages(self, pipe, atom, src: cute.Tensor, dst: cute.Tensor, n_block: Int32, state, pages):
+        """``_tma_load`` of a paged block: a TMA load per piece of SM90_PAGE_ROWS rows, piece j from
+        lane j's page (``_block_pages``), all completing the stage's one barrier."""
+        page, piece = pages
+        pipe.producer_acquire(state)
+        for j in cutlass.range_constexpr(self.tile_n // SM90_PAGE_ROWS):
+            cute.copy(atom, src[None, cute.arch.shuffle_sync(piece, j), cute.arch.shuffle_sync(page, j)],
+                      dst[None, j, 0, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
 
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
