@@ -99,15 +99,16 @@ def forward_key(target: str, dtype: str, head_dim: int, causal: bool, smem_capac
     max_seqlen_q. ``features``: the optional features compiled in (kernels/features.py); the
     decode features (KV cache, paged, split-KV, packed GQA) run the SM80-family kernel with the
     decode traits on every GPU, tile_n dividing ``page_size`` when paged, or a page per row
-    (features.paged_rows) where the page size has no power-of-two factor of 64 keys. A paged
-    varlen forward without those (flash_attn_varlen_func's block_table) asked of ``kernel="sm90"``
-    runs the SM90 forward where it has an entry and takes the page size (traits.sm90_pages);
-    one key serves every such page size."""
+    (features.paged_rows) where the page size has no power-of-two factor of 64 keys. A varlen
+    forward with ``paged`` and/or ``pack_gqa`` (no ALiBi) and no other decode feature, asked of
+    ``kernel="sm90"``, runs the SM90 forward where it has an entry and takes the page size
+    (traits.sm90_pages); one key serves every such page size."""
     tier = sm90_seqlen_tier(head_dim, causal, seqlen) if kernel == "sm90" and traits is None else 0
-    sm90_paged = (features.paged and features.varlen and not features.decode and kernel == "sm90"
-                  and target == "sm_90a" and traits is None and sm90_pages(page_size)
-                  and bool(sm90_forward_traits(head_dim, causal, smem_capacity, tier)))
-    if features.decode or (features.paged and not sm90_paged):
+    sm90_has = (kernel == "sm90" and target == "sm_90a" and traits is None and features.varlen
+                and not (features.kvcache or features.split or features.paged_rows)
+                and (not features.paged or sm90_pages(page_size)) and not (features.pack_gqa and features.alibi)
+                and bool(sm90_forward_traits(head_dim, causal, smem_capacity, tier)))
+    if (features.decode or features.paged) and not sm90_has:
         if traits is None:
             traits = sm80_decode_traits(head_dim, smem_capacity, page_size)
         if features.paged and pages_by_rows(page_size):

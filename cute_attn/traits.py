@@ -239,13 +239,22 @@ SM90_PAGE_ROWS = 16
 
 
 # A paged varlen batch (and a KV-cache call) runs the SM90 forward when its sequences have at least
-# this many queries on average, a full 128-row tile per query head (kvcache.sm90_paged_varlen).
-# Measured on H100 (d128 bf16 heads 32/8, causal, 16-key pages; the SM90 forward against the decode
-# kernel, us, two device calls): 4 chunks of 1024 queries 237 / 522 and 239 / 521, 16 of 128
-# 188 / 381 and 218 / 377, but 8 chunks of 64 over 8192 keys 226 / 263 and 307 / 260 (half of each
-# SM90 tile empty; the decode kernel packs the 4 query heads of a K/V head into its rows) and 2 chunks
-# of 512 + 30 decode rows 457 / 275.
+# this many tile rows on average: queries, times the query heads per K/V head where those are
+# packed into the tiles (kvcache.sm90_paged_varlen). Measured on H100 (d128 bf16 heads 32/8, causal,
+# 16-key pages; us): unpacked SM90 forward against the decode kernel, 4 chunks of 1024 queries
+# 237 / 522, 16 of 128 188 / 381, but 8 chunks of 64 over 8192 keys 226 / 263 (half of each tile
+# empty) and 2 chunks of 512 + 30 decode rows 457 / 275. Packed (a 128-row tile holds 32 queries
+# of each of the 4 heads): 8 chunks of 64 130 us, 2 of 512 + 30 decode rows 239; 64 decode rows
+# 378 against the decode kernel's 374 (4 rows per sequence: the decode kernel keeps them).
 SM90_PAGED_MIN_QUERIES = 128
+
+
+def sm90_packs_gqa(head_dim: int, causal: bool, group: int) -> bool:
+    """Whether the SM90 forward packs ``group`` query heads per K/V head into its tiles (the
+    paged varlen and KV-cache calls): each head's share of a tile, tile_m / group queries, must be
+    whole TMA pieces of SM90_PAGE_ROWS rows in every length tier (the tiers are built together)."""
+    tiles = {t.tile_m for _, t in _sm90_tiers(head_dim, causal)}
+    return group > 1 and bool(tiles) and all(m % (group * SM90_PAGE_ROWS) == 0 for m in tiles)
 
 
 def sm90_pages(page_size: int) -> bool:

@@ -3,6 +3,8 @@
 By default a representative subset per target; ``pytest --all-variants`` compiles every variant.
 """
 
+import dataclasses
+
 import pytest
 
 from cute_attn import artifacts
@@ -61,6 +63,8 @@ def _keys(all_variants):
     ] + [  # flash_attn_varlen_func's block_table on the SM90 forward: a TMA load per 16 keys of a page
         forward_key("sm_90a", "bf16", 128, True, kernel="sm90", seqlen=1024, features=SM90_PAGED, page_size=16),
         forward_key("sm_90a", "fp16", 256, False, kernel="sm90", seqlen=4096, features=SM90_PAGED, page_size=64),
+        forward_key("sm_90a", "bf16", 64, True, kernel="sm90", seqlen=4096, page_size=16,
+                    features=dataclasses.replace(SM90_PAGED, pack_gqa=True, local=True, softcap=True)),
     ] + [  # varlen with seqused_k and the other score features, both families
         forward_key("sm_90a", "bf16", 128, True, kernel="sm90", features=VARLEN_ALL),
         forward_key("sm_80", "fp16", 64, False, features=VARLEN_ALL),
@@ -163,6 +167,8 @@ def test_forward_variant_compiles_to_expected_instructions(fwd_key):
         if fn.traits.kv_multicast:  # K/V reach both CTAs of a cluster through TMA multicast
             assert "multicast::cluster" in ptx and "barrier.cluster.wait" in ptx
             assert "mbarrier.arrive.shared::cluster" in ptx, "consumers release the other CTA's stages"
+        if fwd_key.features.pack_gqa:  # Q in and O out in 16-row pieces, each from its own query head
+            assert counts["cp.async.bulk.tensor"] >= 2 * fn.traits.tile_m // 16, fwd_key.name
         if fwd_key.features.paged:  # a TMA load per 16-key piece of a block (each from its own page)
             pieces = fn.traits.tile_n // 16
             assert counts["cp.async.bulk.tensor"] >= 4 * pieces, f"{fwd_key.name}: too few TMA loads for the pieces"

@@ -150,10 +150,28 @@ def test_sm90_paged_varlen_keys(head_dim, causal):
         other = forward_key(target, "bf16", head_dim, causal, smem, kernel=kernel, seqlen=1000, features=paged,
                             page_size=64)
         assert other.kernel == "sm80" and other.candidates[0].tile_m == 64
-    # the decode features keep the decode kernel whatever the family
-    decode = Features(varlen=True, seqused=True, paged=True, split=True, pack_gqa=True)
-    assert forward_key("sm_90a", "bf16", head_dim, causal, smem, kernel="sm90", features=decode,
-                       page_size=64).kernel == "sm80"
+    # packed GQA too (not with ALiBi: a slope per query head); the split-KV and KV-cache features
+    # keep the decode kernel whatever the family
+    packed = Features(varlen=True, seqused=True, paged=True, pack_gqa=True)
+    assert forward_key("sm_90a", "bf16", head_dim, causal, smem, kernel="sm90", features=packed,
+                       page_size=64).kernel == "sm90"
+    for decode in (Features(varlen=True, seqused=True, paged=True, split=True, pack_gqa=True),
+                   Features(varlen=True, seqused=True, paged=True, pack_gqa=True, alibi=True),
+                   Features(kvcache=True, paged=True, pack_gqa=True)):
+        assert forward_key("sm_90a", "bf16", head_dim, causal, smem, kernel="sm90", features=decode,
+                           page_size=64).kernel == "sm80", decode
+
+
+def test_sm90_packs_gqa():
+    """The SM90 forward packs g query heads per K/V head where tile_m / g is a whole number of
+    16-row TMA pieces in every length tier: d128 (128-row tiles) g = 2, 4, 8; d64 causal (128- and
+    192-row tiers) g = 2, 4; d64 non-causal (192 rows) g = 2, 3, 4, 6, 12; never g = 1."""
+    from cute_attn.traits import sm90_packs_gqa
+
+    assert [g for g in range(1, 17) if sm90_packs_gqa(128, True, g)] == [2, 4, 8]
+    assert [g for g in range(1, 17) if sm90_packs_gqa(64, True, g)] == [2, 4]
+    assert [g for g in range(1, 17) if sm90_packs_gqa(64, False, g)] == [2, 3, 4, 6, 12]
+    assert [g for g in range(1, 17) if sm90_packs_gqa(256, True, g)] == [2, 4, 8]
 
 
 def test_two_ctas_per_sm_where_one_waits():

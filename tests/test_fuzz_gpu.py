@@ -365,7 +365,8 @@ def fuzz_keys(seeds=None, smem_capacity: int = 227 * 1024) -> list:
     building the cache ahead of time."""
     from cute_attn.compile import backward_keys, backward_post_key, combine_key, forward_key, forward_tier_siblings
     from cute_attn.interface import _DTYPE_NAMES, _score_options
-    from cute_attn.traits import SM90_PAGED_MIN_QUERIES, sm80_decode_traits, sm90_pages, sm90_tier_seqlen
+    from cute_attn.traits import (SM90_PAGED_MIN_QUERIES, sm80_decode_traits, sm90_packs_gqa, sm90_pages,
+                                  sm90_tier_seqlen)
 
     seeds = range(FIRST_SEED, FIRST_SEED + NUM_SEEDS) if seeds is None else seeds
     keys: dict = {}
@@ -396,10 +397,14 @@ def fuzz_keys(seeds=None, smem_capacity: int = 227 * 1024) -> list:
             fwd = forward_key("sm_90a", kv_dtype, kv.head_dim, opts.causal, smem_capacity, features=features,
                               traits=sm80_decode_traits(kv.head_dim, smem_capacity, page_size), page_size=page_size)
             keys.update(dict.fromkeys(forward_tier_siblings(fwd) + [combine_key("sm_90a", kv_dtype, kv.head_dim)]))
-            # a chunk of queries: the SM90 forward over the cache as pages (kvcache.sm90_kvcache_launcher)
+            # a chunk of queries: the SM90 forward over the cache as pages (kvcache.sm90_kvcache_launcher),
+            # the query heads of a K/V head packed where they fit its tiles (kvcache.sm90_paged_varlen)
             pages = page_size or inst["capacity"]
-            if inst["seqlen_q"] >= SM90_PAGED_MIN_QUERIES and sm90_pages(pages):
-                paged = dataclasses.replace(opts.features, varlen=True, seqused=True, paged=True)
+            pack = (inst["seqlen_q"] < SM90_PAGED_MIN_QUERIES and not kv.alibi  # a batch of short chunks
+                    and sm90_packs_gqa(kv.head_dim, opts.causal, inst["heads"] // inst["heads_kv"]))
+            rows = inst["seqlen_q"] * (inst["heads"] // inst["heads_kv"] if pack else 1)
+            if rows >= SM90_PAGED_MIN_QUERIES and sm90_pages(pages):
+                paged = dataclasses.replace(opts.features, varlen=True, seqused=True, paged=True, pack_gqa=pack)
                 fwd = forward_key("sm_90a", kv_dtype, kv.head_dim, opts.causal, smem_capacity, kernel="sm90",
                                   seqlen=inst["seqlen_q"], features=paged, page_size=pages)
                 keys.update(dict.fromkeys(forward_tier_siblings(fwd)))

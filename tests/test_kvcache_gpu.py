@@ -564,7 +564,9 @@ def test_varlen_block_table(page_size, head_dim, options):
     positions, GQA 8/2, against the fp32 reference run sequence by sequence; max_seqlen_q above the
     longest; outputs poisoned first; split-KV as the heuristic picks it (num_splits is not an
     argument here: auto only). Under torch.no_grad (no backward). 32 queries per sequence on
-    average: the decode kernel under both families (kvcache.sm90_paged_varlen)."""
+    average, 128 tile rows with the 4 query heads of a K/V head packed: under the sm90 family the
+    SM90 forward with packed GQA where the page size allows (kvcache.sm90_paged_varlen), else and
+    under sm80 the decode kernel."""
     check_varlen_block_table(page_size, head_dim, options, [0, 1, 17, 5, 129, 40], [0, 30, 17, 200, 129, 1000], 140)
 
 
@@ -573,13 +575,16 @@ def test_varlen_block_table(page_size, head_dim, options):
     (48, 96, dict(causal=True, softcap=30.0)), (16, 192, dict(causal=True)), (64, 256, dict()),
     (128, 128, dict(causal=True, alibi_slopes="per batch")), (16, 128, dict(causal=True, seqused_k="7 fewer")),
     (16, 64, dict(window_size=(300, 50))), (16, 32, dict(causal=True)),
+    (16, 128, dict(causal=True, heads=(6, 2))), (32, 96, dict(heads=(4, 4))), (16, 64, dict(causal=True, heads=(16, 2))),
 ])
 def test_varlen_block_table_prefill(page_size, head_dim, options):
     """The paged varlen call on chunked-prefill batches (long query chunks, the SM90 forward's
     case on Hopper: a TMA load per 16 keys of a page): chunks of 0, 1, 130, 1000, 257 and 64
     queries over 5, 64, 300, 1000, 2000 and 17 keys (the last sees fewer keys than it has queries:
     bottom-right aligned, its first rows see none under causal), every head dim, page sizes 16 to
-    256, causal, windows, softcap, ALiBi, seqused_k."""
+    256, causal, windows, softcap, ALiBi, seqused_k; GQA 8/2 (packed on SM90), 6/2 and 16/2 (3 and
+    8 query heads per K/V head: not packed there, tile_m / g is no whole number of 16-row pieces in
+    every tier) and MHA."""
     check_varlen_block_table(page_size, head_dim, options, [0, 1, 130, 1000, 257, 64], [5, 64, 300, 1000, 2000, 17],
                              1000)
 
@@ -610,12 +615,12 @@ def check_varlen_block_table(page_size, head_dim, options, lens_q, lens_k, max_q
 
     g = generator()
     options = dict(options)
+    heads, heads_kv = options.pop("heads", (8, 2))
     if options.get("alibi_slopes") == "per batch":
-        options["alibi_slopes"] = alibi(len(lens_q), 8, per_batch=True)
+        options["alibi_slopes"] = alibi(len(lens_q), heads, per_batch=True)
     used = None
     if options.pop("seqused_k", None):
         used = [max(0, n - 7) for n in lens_k]
-    heads, heads_kv = 8, 2
     q = torch.randn(sum(lens_q), heads, head_dim, device="cuda", dtype=BF16, generator=g)
     ks = [torch.randn(n, heads_kv, head_dim, device="cuda", dtype=BF16, generator=g) for n in lens_k]
     vs = [torch.randn(n, heads_kv, head_dim, device="cuda", dtype=BF16, generator=g) for n in lens_k]

@@ -545,6 +545,7 @@ PAGED_VARLEN_CASES = (
     ("2 chunks of 512 queries + 30 decode rows", (512, 512) + (1,) * 30, (2048, 1024) + (4096,) * 30),
     ("16 chunks of 128 queries", (128,) * 16, (1024, 4096) * 8),
     ("8 chunks of 64 queries over 8192 keys", (64,) * 8, (8192,) * 8),
+    ("a chunk of 4096 queries + 31 decode rows", (4096,) + (1,) * 31, (4096,) * 32),
 )
 
 
@@ -552,7 +553,8 @@ def paged_varlen_rows(args) -> list[dict]:
     """``--paged-varlen``: cute_attn's paged varlen call and FA4's on the same packed queries and
     shuffled page pool, each checked against the other first; median microseconds per call over
     --rounds shuffled rounds of do_bench. On Hopper also cute_attn's decode kernel alone (under
-    force_arch("sm80")), beside the kernel the rule picks (kvcache.sm90_paged_varlen)."""
+    force_arch("sm80")) and its SM90 forward alone (the rule's row threshold set to 0), beside the
+    kernel the rule picks (kvcache.sm90_paged_varlen)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     import cute_attn
 
@@ -564,8 +566,8 @@ def paged_varlen_rows(args) -> list[dict]:
     heads, heads_kv, d, page = 32, 8, args.decode_head_dim, args.paged_varlen_page
     print(f"flash_attn_varlen_func(block_table=), {page}-key pages, d{d} heads {heads}/{heads_kv}, causal: us per call")
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    print("| batch | kernel picked | cute_attn | cute_attn decode kernel | FA4 paged | cute_attn speed / FA4 |\n"
-          "|---|---|---|---|---|---|")
+    print("| batch | kernel picked | cute_attn | cute_attn decode kernel | cute_attn SM90 forward | FA4 paged "
+          "| cute_attn speed / FA4 |\n|---|---|---|---|---|---|---|")
     rows = []
     for name, lens_q, lens_k in PAGED_VARLEN_CASES:
         torch.manual_seed(0)
@@ -586,6 +588,7 @@ def paged_varlen_rows(args) -> list[dict]:
         impls = {"cute_attn": call}
         if hopper:
             impls["cute_attn decode kernel"] = lambda: _under_sm80(call)
+            impls["cute_attn SM90 forward"] = lambda: _sm90_always(call)
         if fa4_varlen is not None:
             impls["FA4 paged"] = lambda: fa4_varlen(q, k_pages, v_pages, cu_seqlens_q=cu_q, max_seqlen_q=max(lens_q),
                                                     seqused_k=used, page_table=table, causal=True)
@@ -605,15 +608,27 @@ def paged_varlen_rows(args) -> list[dict]:
         from cute_attn import kvcache
 
         opts = cute_attn.interface._score_options(True, None, d)
-        picked = "sm90" if kvcache.sm90_paged_varlen(q, opts, max(lens_q), page, batch) else "decode"
+        sm90 = kvcache.sm90_paged_varlen(q, heads_kv, opts, max(lens_q), page, batch)
+        picked = "decode" if sm90 is None else "sm90 packed" if sm90.pack_gqa else "sm90"
         row = {"case": name, "page_size": page, "picked": picked,
                **{n: statistics.median(t) for n, t in times.items()}}
         rows.append(row)
         ratio = f"{row['FA4 paged'] / row['cute_attn']:.2f}x" if "FA4 paged" in row else "-"
         cells = " | ".join(f"{row[n]:.0f}" if n in row else "-"
-                           for n in ("cute_attn", "cute_attn decode kernel", "FA4 paged"))
+                           for n in ("cute_attn", "cute_attn decode kernel", "cute_attn SM90 forward", "FA4 paged"))
         print(f"| {name} | {picked} | {cells} | {ratio} |", flush=True)
     return rows
+
+
+def _sm90_always(fn):
+    """``fn()`` with the paged varlen call's SM90 threshold at 0 (the SM90 forward wherever it can run)."""
+    from cute_attn import traits
+
+    saved, traits.SM90_PAGED_MIN_QUERIES = traits.SM90_PAGED_MIN_QUERIES, 0
+    try:
+        return fn()
+    finally:
+        traits.SM90_PAGED_MIN_QUERIES = saved
 
 
 def _under_sm80(fn):

@@ -74,11 +74,13 @@ def apply_mask(
     alibi_slope=None,
     check_bounds: cutlass.Constexpr[bool] = True,
     qhead_per_kvhead=None,
+    rows_per_head=None,
 ):
     """ALiBi (when ``alibi_slope`` is given) and, with ``check_bounds``, the masks, on ``acc_S``
     (rows: queries, columns: keys). ``window_left``/``window_right``: a local window's run-time
     edges (None: none; causal is its own flag). ``qhead_per_kvhead``: packed GQA rows, tile row p
-    is query p // qhead_per_kvhead (block_info._query_rows).
+    is query p // qhead_per_kvhead (block_info._query_rows). ``rows_per_head``: the SM90 forward's
+    packed GQA, tile row p is query m_block * rows_per_head + p % rows_per_head.
 
     ``tScS`` holds each accumulator element's (row, col) within the tile for this thread and
     ``tScS_thread0`` the same for thread 0. Comparing thread 0's columns (compile-time constants)
@@ -97,7 +99,10 @@ def apply_mask(
     # coordinates: diagonal + coord0[r, 0][0]
     diagonal = m_block * tile_m + row_offset + seqlen_k - seqlen_q - k_base - col_offset
     for r in cutlass.range_constexpr(cute.size(acc.shape[0])):
-        if const_expr(qhead_per_kvhead is None):
+        if const_expr(rows_per_head is not None):
+            query = m_block * rows_per_head + (row_offset + coord0[r, 0][0]) % rows_per_head
+            diag_r = query + seqlen_k - seqlen_q - k_base - col_offset
+        elif const_expr(qhead_per_kvhead is None):
             diag_r = diagonal + coord0[r, 0][0]
         else:
             query = (m_block * tile_m + row_offset + coord0[r, 0][0]) // qhead_per_kvhead
@@ -188,6 +193,7 @@ def apply_score_mods(
     alibi_slope=None,
     check_bounds: cutlass.Constexpr[bool] = True,
     qhead_per_kvhead=None,
+    rows_per_head=None,
 ):
     """The forward kernels' whole step between the S GEMM and the softmax: softcap (when
     ``softcap_scale`` is given), then ALiBi and (``check_bounds``) the masks; nothing at all for an
@@ -196,4 +202,4 @@ def apply_score_mods(
         apply_softcap(acc_S, softcap_scale)
     if const_expr(check_bounds or alibi_slope is not None):
         apply_mask(acc_S, tScS, tScS_thread0, m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal,
-                   window_left, window_right, alibi_slope, check_bounds, qhead_per_kvhead)
+                   window_left, window_right, alibi_slope, check_bounds, qhead_per_kvhead, rows_per_head)

@@ -142,7 +142,13 @@ class FlashAttentionForwardSm90:
         # paged K/V (flash_attn_varlen_func's block_table): a TMA load per SM90_PAGE_ROWS rows of a
         # block, each from its own page (``_produce``); the queries are packed (varlen)
         assert not features.paged or (features.varlen and tile_n % SM90_PAGE_ROWS == 0), "paged: varlen"
-        assert not (features.decode or features.kvcache), "the KV-cache decode features: the SM80-family kernel"
+        # packed GQA (varlen): a tile holds tile_m / g queries of each of the g query heads of one
+        # K/V head (query fastest within a head, so each head's rows are whole TMA pieces of
+        # SM90_PAGE_ROWS queries: g divides tile_m / 16, a run-time fact the host checks), and each
+        # K/V block is read once for the g heads
+        self.pack_gqa = features.pack_gqa
+        assert not self.pack_gqa or (features.varlen and not features.alibi), "packed GQA: varlen, no ALiBi"
+        assert not (features.kvcache or features.split or features.paged_rows), "decode features: the SM80 kernel"
         self.cluster_size = 2 if kv_multicast else 1
         self.features = features
         # Three consumer warpgroups have 160 registers a thread: softcap's or ALiBi's per-element
@@ -189,26 +195,28 @@ class FlashAttentionForwardSm90:
         sKV_stage = cute.select(sKV_layout, mode=[0, 1])
 
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, sQ_stage, (m, d))
+        # packed GQA: Q and O move in pieces of SM90_PAGE_ROWS rows, each from its own query head
+        piece = (SM90_PAGE_ROWS, d)
+        q_box = piece if const_expr(self.pack_gqa) else (m, d)
+        atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, self._box_layout(sQ_stage, q_box), q_box)
         # K/V: with multicast, each CTA of a cluster loads 1 / cluster_size of a block into all of them
         load_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.cluster_size > 1) else load
-        kv_box = (n, d)
-        if const_expr(self.features.paged):
-            # one page's piece of SM90_PAGE_ROWS rows: the first rows of a stage's layout (whole
-            # swizzle atoms of 8 rows), so the same atom writes each piece at its row offset
-            kv_box = (SM90_PAGE_ROWS, d)
-            sKV_stage = cute.select(cute.flat_divide(sKV_stage, kv_box), mode=[0, 1])
-        atom_K, tma_K = cpasync.make_tiled_tma_atom(load_kv, mK, sKV_stage, kv_box, num_multicast=self.cluster_size)
-        atom_V, tma_V = cpasync.make_tiled_tma_atom(load_kv, mV, sKV_stage, kv_box, num_multicast=self.cluster_size)
+        # paged: one page's piece of SM90_PAGE_ROWS rows per TMA load
+        kv_box = piece if const_expr(self.features.paged) else (n, d)
+        sKV_box = self._box_layout(sKV_stage, kv_box)
+        atom_K, tma_K = cpasync.make_tiled_tma_atom(load_kv, mK, sKV_box, kv_box, num_multicast=self.cluster_size)
+        atom_V, tma_V = cpasync.make_tiled_tma_atom(load_kv, mV, sKV_box, kv_box, num_multicast=self.cluster_size)
         # varlen: O's store clips at each sequence's end, not at the packed batch's (seqlen_info)
         mO_store = ragged_view(mO) if const_expr(self.features.varlen) else mO
         # O's buffer: (64, d, warpgroup) of its own when each warpgroup stores its own rows, else Q's
         if const_expr(self.persistent):
             sO_layout = common.smem_layout(self.dtype, 64, d, self.num_consumer_wgs)
-            atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO_store, cute.select(sO_layout, mode=[0, 1]), (64, d))
+            o_box = piece if const_expr(self.pack_gqa) else (64, d)
+            atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                store, mO_store, self._box_layout(cute.select(sO_layout, mode=[0, 1]), o_box), o_box)
         else:
             sO_layout = sQ_stage
-            atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO_store, sQ_stage, (m, d))
+            atom_O, tma_O = cpasync.make_tiled_tma_atom(store, mO_store, self._box_layout(sQ_stage, q_box), q_box)
 
         mma_qk = common.tiled_mma(self.dtype, self.num_consumer_wgs, n, b_major_mn=False, a_in_registers=False)
         mma_pv = common.tiled_mma(self.dtype, self.num_consumer_wgs, d, b_major_mn=True, a_in_registers=True)
@@ -230,11 +238,11 @@ class FlashAttentionForwardSm90:
         # Tiles are numbered (Q block fastest, then head, then batch): one head's Q blocks run
         # together and share its K/V in L2. Causal: longest first in sections of heads (tile_scheduler).
         # Varlen: as many Q blocks per (batch, head) as the longest sequence has.
-        num_tiles = self._num_tiles(mQ, mCuSeqlensQ, max_seqlen_q)
+        qheads_per_kvhead = mQ.shape[2] // mK.shape[2]  # GQA/MQA: K/V are shared, never copied
+        num_tiles = self._num_tiles(mQ, mCuSeqlensQ, max_seqlen_q, qheads_per_kvhead)
         grid = num_tiles  # a multiple of the cluster size (_num_m_blocks)
         if const_expr(self.persistent):
             grid = cutlass.min(num_tiles, num_sms // self.cluster_size * self.cluster_size)
-        qheads_per_kvhead = mQ.shape[2] // mK.shape[2]  # GQA/MQA: K/V are shared, never copied
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, mLSE, softmax_scale_log2, heads_per_section, qheads_per_kvhead, mTileCounter,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, max_seqlen_q, window_left, window_right, softcap_scale,
@@ -330,8 +338,9 @@ class FlashAttentionForwardSm90:
             sO = sQ[None, None, 0]
         # every role walks the same tiles: ``tiles`` describes one, ``next_tile`` finds the next
         # (each role computes the number of tiles itself, as it always did)
-        count_tiles = partial(self._tiles_to_walk, mQ, mCuSeqlensQ, max_seqlen_q)
-        coords = partial(self._tile_coords, mQ, mCuSeqlensQ, max_seqlen_q, heads_per_section)
+        count_tiles = partial(self._tiles_to_walk, mQ, mCuSeqlensQ, max_seqlen_q, qheads_per_kvhead)
+        coords = partial(self._tile_coords, mQ, mCuSeqlensQ, max_seqlen_q, heads_per_section, qheads_per_kvhead)
+        past_end = partial(self._past_end, coords, mCuSeqlensQ, qheads_per_kvhead)
         tiles = partial(
             self._tile, coords, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, qheads_per_kvhead,
             window_left if const_expr(self.features.local) else None,
@@ -341,26 +350,27 @@ class FlashAttentionForwardSm90:
         # the round of a static deal, or the position in the tile-number handoff of a dynamic one)
         if const_expr(self.dynamic_tiles):
             walk_producer = (
-                partial(self._claim_first_tile, coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds),
-                partial(self._claim_next_tile, coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds),
+                partial(self._claim_first_tile, past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds),
+                partial(self._claim_next_tile, past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds),
             )
             walk_consumer = (partial(self._receive_first_tile, pipe_tile, sTileIds),
                              partial(self._receive_tile, pipe_tile, sTileIds))
         else:
-            walk_producer = walk_consumer = (partial(self._first_dealt_tile, coords, mCuSeqlensQ),
-                                             partial(self._next_dealt_tile, coords, mCuSeqlensQ))
+            walk_producer = walk_consumer = (partial(self._first_dealt_tile, past_end, mCuSeqlensQ),
+                                             partial(self._next_dealt_tile, past_end, mCuSeqlensQ))
         pipeline.pipeline_init_wait(cluster_shape_mn=self._cluster_vmnk())
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self._produce(mQ, mK, mV, sQ, sK, sV, atom_Q, atom_K, atom_V, pipe_q, pipe_k, pipe_v, tiles,
-                              *walk_producer, count_tiles, mPageTable)
+                              *walk_producer, count_tiles, mPageTable, qheads_per_kvhead)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(
                 mO, mLSE, sQ, sK, sV, sO, atom_O, mma_qk, mma_pv, pipe_q, pipe_k, pipe_v, softmax_scale_log2,
                 tiles, *walk_consumer, count_tiles, mAlibiSlopes, window_left, window_right, softcap_scale,
+                qheads_per_kvhead,
             )
         if const_expr(self.cluster_size > 1):
             # the other CTA's consumers arrive on this CTA's empty barriers until their last
@@ -376,9 +386,9 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def _tile_coords(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32,
-                     heads_per_section: Int32, tile: Int32):
-        """(m_block, head, batch) of tile number ``tile``."""
-        num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q)
+                     heads_per_section: Int32, group: Int32, tile: Int32):
+        """(m_block, head, batch) of tile number ``tile`` (packed GQA: head is the K/V head)."""
+        num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q, group)
         if const_expr(self._maybe_compact()):
             m_block, head, batch = Int32(0), Int32(0), Int32(0)
             if batches <= tile_scheduler.VARLEN_COMPACT_BATCH:
@@ -410,8 +420,8 @@ class FlashAttentionForwardSm90:
         m_block, head, batch = coords(tile)
         seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         n_block_max, n_masked_right, n_unmasked, n_masked_left = block_info.forward_walk(
-            m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal, window_left, window_right,
-            at_least_one=True,
+            m_block, self._tile_queries(qheads_per_kvhead), self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal,
+            window_left, window_right, at_least_one=True,
         )
         if const_expr(not self.features.local):
             # without a window the walk ends at block 0 and, non-causal, masks just its first
@@ -420,10 +430,11 @@ class FlashAttentionForwardSm90:
             if const_expr(not self.causal):
                 n_masked_right = 1
             n_unmasked = n_block_max - n_masked_right
-        return m_block, head, head // qheads_per_kvhead, seq, (n_block_max, n_masked_right, n_unmasked, n_masked_left)
+        head_kv = head if const_expr(self.pack_gqa) else head // qheads_per_kvhead
+        return m_block, head, head_kv, seq, (n_block_max, n_masked_right, n_unmasked, n_masked_left)
 
     @cute.jit
-    def _next_tile(self, coords, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32, rounds: Int32):
+    def _next_tile(self, past_end, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32, rounds: Int32):
         """(round, tile) of this CTA's first tile from round ``rounds`` on (tile >= num_tiles: none
         left). Varlen: the tiles past their sequence's end are skipped, by the producer and the
         consumers alike, so that every role (and ``overlap_tiles``' look at the next tile) sees
@@ -434,22 +445,22 @@ class FlashAttentionForwardSm90:
             if const_expr(self._maybe_compact()):
                 holes = mCuSeqlensQ.shape[0] - 1 > tile_scheduler.VARLEN_COMPACT_BATCH
             if holes:
-                skip = self._past_end(coords, mCuSeqlensQ, num_tiles, tile)
+                skip = past_end(num_tiles, tile)
                 while skip:
                     rounds += 1
                     tile = self._nth_tile(rounds)
-                    skip = self._past_end(coords, mCuSeqlensQ, num_tiles, tile)
+                    skip = past_end(num_tiles, tile)
         return rounds, tile
 
     @cute.jit
-    def _first_dealt_tile(self, coords, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32):
+    def _first_dealt_tile(self, past_end, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32):
         """Static deal: (round, tile) of this CTA's first tile."""
-        return self._next_tile(coords, mCuSeqlensQ, num_tiles, Int32(0))
+        return self._next_tile(past_end, mCuSeqlensQ, num_tiles, Int32(0))
 
     @cute.jit
-    def _next_dealt_tile(self, coords, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32, rounds: Int32):
+    def _next_dealt_tile(self, past_end, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32, rounds: Int32):
         """Static deal: (round, tile) of this CTA's tile after round ``rounds``."""
-        return self._next_tile(coords, mCuSeqlensQ, num_tiles, rounds + 1)
+        return self._next_tile(past_end, mCuSeqlensQ, num_tiles, rounds + 1)
 
     @cute.jit
     def _fetch_tile(self, mTileCounter: cute.Tensor):
@@ -461,16 +472,16 @@ class FlashAttentionForwardSm90:
         return cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(taken, 0)
 
     @cute.jit
-    def _claim_tile(self, coords, mCuSeqlensQ: cute.Tensor | None, mTileCounter: cute.Tensor, pipe_tile,
+    def _claim_tile(self, past_end, mCuSeqlensQ: cute.Tensor | None, mTileCounter: cute.Tensor, pipe_tile,
                     sTileIds: cute.Tensor, num_tiles: Int32, state, tile: Int32):
         """Dynamic deal (the producer warp): from tile number ``tile`` on, the first tile that
         exists (varlen: one past its sequence's end takes another number), handed to the consumers.
         A number past the last tile is handed over too: it ends their walk."""
         if const_expr(self.features.varlen):
-            skip = self._past_end(coords, mCuSeqlensQ, num_tiles, tile)
+            skip = past_end(num_tiles, tile)
             while skip:
                 tile = self._fetch_tile(mTileCounter)
-                skip = self._past_end(coords, mCuSeqlensQ, num_tiles, tile)
+                skip = past_end(num_tiles, tile)
         pipe_tile.producer_acquire(state)
         if cute.arch.lane_idx() == 0:
             sTileIds[state.index] = tile
@@ -479,14 +490,14 @@ class FlashAttentionForwardSm90:
         return state, tile
 
     @cute.jit
-    def _claim_first_tile(self, coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles: Int32):
+    def _claim_first_tile(self, past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles: Int32):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_ID_STAGES)
-        return self._claim_tile(coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles, state,
+        return self._claim_tile(past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles, state,
                                 cute.arch.block_idx()[0])
 
     @cute.jit
-    def _claim_next_tile(self, coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles: Int32, state):
-        return self._claim_tile(coords, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles, state,
+    def _claim_next_tile(self, past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles: Int32, state):
+        return self._claim_tile(past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles, state,
                                 self._fetch_tile(mTileCounter))
 
     @cute.jit
@@ -505,36 +516,52 @@ class FlashAttentionForwardSm90:
         return self._receive_tile(pipe_tile, sTileIds, num_tiles, state)
 
     @cute.jit
-    def _past_end(self, coords, mCuSeqlensQ: cute.Tensor, num_tiles: Int32, tile: Int32):
+    def _past_end(self, coords, mCuSeqlensQ: cute.Tensor, group: Int32, num_tiles: Int32, tile: Int32):
         """Varlen: whether ``tile`` exists but starts past its sequence's last query. Both sides
         of the ``and`` are evaluated: a tile past the end is read as tile 0 (cu_seqlens in bounds)."""
         exists = tile < num_tiles
         m_block, _, batch = coords(tile if exists else 0)
         seqlen_q = mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]
-        return exists and m_block * self.tile_m >= seqlen_q
+        return exists and m_block * self._tile_queries(group) >= seqlen_q
 
     def _nth_tile(self, r: Int32) -> Int32:
         """This CTA's r-th tile (tile_scheduler.nth_tile; a non-persistent grid has one round)."""
         return tile_scheduler.nth_tile(r, cute.arch.block_idx()[0], cute.arch.grid_dim()[0])
 
-    def _tile_grid(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32):
+    def _tile_grid(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32, group: Int32):
         """(Q blocks per (batch, head), heads, batch) of a (seqlen, head_dim, heads, batch) view;
-        varlen: the longest sequence's Q blocks, the batch of cu_seqlens."""
+        varlen: the longest sequence's Q blocks, the batch of cu_seqlens. Packed GQA: blocks of
+        tile_m / g queries per K/V head (``group`` = g)."""
+        if const_expr(self.pack_gqa):
+            return cute.ceil_div(max_seqlen_q * group, self.tile_m), mQ.shape[2] // group, mCuSeqlensQ.shape[0] - 1
         if const_expr(self.features.varlen):
             return self._num_m_blocks(max_seqlen_q), mQ.shape[2], mCuSeqlensQ.shape[0] - 1
         return self._num_m_blocks(mQ.shape[0]), mQ.shape[2], mQ.shape[3]
+
+    def _tile_queries(self, group: Int32):
+        """Queries per tile: tile_m, or packed GQA tile_m / g of each of g query heads."""
+        if const_expr(self.pack_gqa):
+            return self.tile_m // group
+        return self.tile_m
+
+    def _box_layout(self, stage: cute.ComposedLayout, box: tuple):
+        """The shared-memory layout a TMA atom of ``box`` (rows, cols) writes: the stage's, or for a
+        piece of fewer rows, the stage's first rows (whole swizzle atoms: any piece has it)."""
+        if const_expr(box[0] == cute.size(stage, mode=[0])):
+            return stage
+        return cute.select(cute.flat_divide(stage, box), mode=[0, 1])
 
     def _maybe_compact(self) -> bool:
         """Whether varlen tiles are numbered without holes for batches of up to
         tile_scheduler.VARLEN_COMPACT_BATCH sequences (non-causal; +5-14% on H100 and H200 over
         skipping the holes on a persistent grid, docs/performance.md)."""
-        return self.features.varlen and not self.causal
+        return self.features.varlen and not self.causal and not self.pack_gqa
 
     @cute.jit
-    def _num_tiles(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32):
+    def _num_tiles(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32, group: Int32):
         """Q blocks x heads x batch, for the grid. Numbered without holes: a bound known without
         reading cu_seqlens (each sequence has at most seqlen / tile_m + 1 Q blocks)."""
-        num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q)
+        num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q, group)
         count = num_m_blocks * heads * batches
         if const_expr(self._maybe_compact()):
             if batches <= tile_scheduler.VARLEN_COMPACT_BATCH:
@@ -542,10 +569,10 @@ class FlashAttentionForwardSm90:
         return count
 
     @cute.jit
-    def _tiles_to_walk(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32):
+    def _tiles_to_walk(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: Int32, group: Int32):
         """The tile numbers the roles walk: ``_num_tiles``, or numbered without holes the batch's
         real count (read from cu_seqlens by the warp)."""
-        count = self._num_tiles(mQ, mCuSeqlensQ, max_seqlen_q)
+        count = self._num_tiles(mQ, mCuSeqlensQ, max_seqlen_q, group)
         if const_expr(self._maybe_compact()):
             batches = mCuSeqlensQ.shape[0] - 1
             if batches <= tile_scheduler.VARLEN_COMPACT_BATCH:
@@ -582,6 +609,7 @@ class FlashAttentionForwardSm90:
         next_tile,
         count_tiles,
         mPageTable: cute.Tensor | None,
+        group: Int32,
     ):
         """TMA loads in the order the consumers need them: K[last], Q, then per block K[n-1]
         before V[n] (the consumers issue the next Q K^T before this block's P V); tile by tile.
@@ -599,8 +627,9 @@ class FlashAttentionForwardSm90:
             num_blocks = n_masked_right + n_unmasked + n_masked_left
             b = seq.tensor_batch
             # varlen: from the sequence's first row (the rows after its end are masked or not stored)
-            gQ = cute.local_tile(seq.q_rows(mQ[None, None, head, b]), tile_q, (m_block, 0))
-            tQsQ, tQgQ = common.tma_tiles(atom_Q, gQ, sQ)
+            if const_expr(not self.pack_gqa):
+                gQ = cute.local_tile(seq.q_rows(mQ[None, None, head, b]), tile_q, (m_block, 0))
+                tQsQ, tQgQ = common.tma_tiles(atom_Q, gQ, sQ)
             if const_expr(self.features.paged):
                 # (rows, d, piece of a page, page) from the pool; a stage as (rows, d, piece, 1, stage)
                 piece = (SM90_PAGE_ROWS, self.head_dim)
@@ -623,7 +652,10 @@ class FlashAttentionForwardSm90:
             pages = pages_of(n_block_max - 1)
             load_K(n_block_max - 1, kv, pages)
             pipe_q.producer_acquire(q_state)  # the consumers are done with this Q buffer's previous tile
-            cute.copy(atom_Q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            if const_expr(self.pack_gqa):
+                self._load_packed_q(mQ, sQ, atom_Q, pipe_q, q_state, m_block, head, seq, group)
+            else:
+                cute.copy(atom_Q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
             next_tile_ = tile
             if const_expr(self.dynamic_tiles):
@@ -650,6 +682,24 @@ class FlashAttentionForwardSm90:
             if const_expr(not self.dynamic_tiles):
                 rounds, next_tile_ = next_tile(num_tiles, rounds)
             tile = next_tile_
+
+    @cute.jit
+    def _load_packed_q(self, mQ: cute.Tensor, sQ: cute.Tensor, atom_Q: cute.CopyAtom, pipe_q, q_state, m_block: Int32,
+                       head_kv: Int32, seq: SeqlenInfo, group: Int32):
+        """Packed GQA: tile row r is query m_block * (tile_m / g) + r % (tile_m / g) of query head
+        head_kv * g + r // (tile_m / g); one TMA load per SM90_PAGE_ROWS rows (a run of queries of
+        one head), all completing the Q stage's barrier."""
+        piece = (SM90_PAGE_ROWS, self.head_dim)
+        sQ_pieces = cute.flat_divide(sQ, piece)  # (rows, d, piece, 1, stage)
+        queries = self.tile_m // group
+        for j in cutlass.range_constexpr(self.tile_m // SM90_PAGE_ROWS):
+            row = j * SM90_PAGE_ROWS
+            hh = row // queries
+            first = m_block * queries + row - hh * queries
+            gQ = cute.local_tile(seq.q_rows(mQ[None, None, head_kv * group + hh, seq.tensor_batch]), piece, (None, 0))
+            tQsQ, tQgQ = common.tma_tiles(atom_Q, gQ, sQ_pieces)
+            cute.copy(atom_Q, tQgQ[None, first // SM90_PAGE_ROWS], tQsQ[None, j, 0, q_state.index],
+                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
     @cute.jit
     def _tma_load(self, pipe, atom, src: cute.Tensor, dst: cute.Tensor, n_block: Int32, state, pages=None):
@@ -710,6 +760,7 @@ class FlashAttentionForwardSm90:
         window_left: Int32,
         window_right: Int32,
         softcap_scale: Float32,
+        group: Int32,
     ):
         tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS  # index among the consumer threads
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
@@ -741,7 +792,7 @@ class FlashAttentionForwardSm90:
             window_right=window_right if const_expr(self.features.local) else None,
             softcap_scale=softcap_scale if const_expr(self.features.softcap) else None,
         )
-        mask_of = partial(self._tile_mask, score_mod, mAlibiSlopes, softmax_scale_log2)
+        mask_of = partial(self._tile_mask, score_mod, mAlibiSlopes, softmax_scale_log2, group)
         num_tiles = count_tiles()
         rounds, tile = first_tile(num_tiles)
         if const_expr(self.overlap_tiles):
@@ -794,7 +845,7 @@ class FlashAttentionForwardSm90:
                 self._tile_boundary(
                     ctx, v_state, kv, q_state, pipe_q, tSrQ, mask_of, tiles, next_tile_, num_tiles,
                     partial(self._epilogue, acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx,
-                            m_block, head, seq),
+                            m_block, head, seq, group=group),
                 )
             else:
                 self._start_tile(acc_O, softmax)
@@ -811,21 +862,25 @@ class FlashAttentionForwardSm90:
                 if const_expr(self.persistent):
                     pipe_q.consumer_release(q_state)
                 q_state.advance()
-                self._epilogue(acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, seq)
+                self._epilogue(acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, seq,
+                               group=group)
                 rounds, next_tile_ = next_tile(num_tiles, rounds)
             tile = next_tile_
         if self._issues_store(tidx):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the last store read it
 
     @cute.jit
-    def _tile_mask(self, score_mod, mAlibiSlopes: cute.Tensor | None, softmax_scale_log2: Float32, m_block: Int32,
-                   head: Int32, seq: SeqlenInfo):
+    def _tile_mask(self, score_mod, mAlibiSlopes: cute.Tensor | None, softmax_scale_log2: Float32, group: Int32,
+                   m_block: Int32, head: Int32, seq: SeqlenInfo):
         """``score_mod`` for one tile: called as mask(acc_S, n_block=, check_bounds=)."""
         alibi_slope = None
         if const_expr(self.features.alibi):
             alibi_slope = alibi_slope_units(mAlibiSlopes, seq.batch, head, softmax_scale_log2)
+        packed = {}
+        if const_expr(self.pack_gqa):
+            packed = dict(rows_per_head=self.tile_m // group)
         return partial(score_mod, m_block=m_block, seqlen_q=seq.seqlen_q, seqlen_k=seq.seqlen_k,
-                       alibi_slope=alibi_slope)
+                       alibi_slope=alibi_slope, **packed)
 
     def _check_inf(self, masked: bool) -> bool:
         """Whether a block's softmax must allow rows without any key so far: masked blocks with a
@@ -969,7 +1024,7 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def _epilogue(self, acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx, m_block, head, seq: SeqlenInfo,
-                  issue_next=None):
+                  issue_next=None, group=None):
         """O /= rowsum and LSE; O -> shared memory (its own buffer when persistent, else Q's; stmatrix)
         -> global (one TMA store, left in flight until sO is needed again). ``issue_next`` is
         called once O has left its accumulator (_tile_boundary)."""
@@ -980,13 +1035,23 @@ class FlashAttentionForwardSm90:
 
         # LSE: the thread holding column 0 of a row writes it
         b = seq.tensor_batch
-        gLSE = cute.local_tile(seq.q_rows(mLSE[b, head, None]), (self.tile_m,), (m_block,))
         rows = acc_to_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-        rows_left = seq.seqlen_q - m_block * self.tile_m
-        if rows[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                if rows[r, 0][0] < rows_left:
-                    gLSE[rows[r, 0][0]] = lse[r]
+        if const_expr(self.pack_gqa):  # row r: query head head * g + r // queries (_load_packed_q)
+            queries = self.tile_m // group
+            offset_q, seqlen_q = seq.offset_q, seq.seqlen_q
+            if rows[0, 0][1] == 0:
+                for r in cutlass.range_constexpr(cute.size(lse)):
+                    hh = rows[r, 0][0] // queries
+                    query = m_block * queries + rows[r, 0][0] - hh * queries
+                    if query < seqlen_q:
+                        mLSE[b, head * group + hh, offset_q + query] = lse[r]
+        else:
+            gLSE = cute.local_tile(seq.q_rows(mLSE[b, head, None]), (self.tile_m,), (m_block,))
+            rows_left = seq.seqlen_q - m_block * self.tile_m
+            if rows[0, 0][1] == 0:
+                for r in cutlass.range_constexpr(cute.size(lse)):
+                    if rows[r, 0][0] < rows_left:
+                        gLSE[rows[r, 0][0]] = lse[r]
 
         # sO is free once the previous store from it has read it and, when it is Q's buffer, every
         # consumer warpgroup's last Q K^T has completed (the barrier below). Persistent: each
@@ -1012,7 +1077,10 @@ class FlashAttentionForwardSm90:
         cute.copy(thr_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO_rows))
         cute.arch.fence_view_async_shared()  # the generic-proxy writes above, visible to TMA
         barrier()
-        if self._issues_store(tidx):
+        if const_expr(self.pack_gqa):
+            if self._issues_store(tidx):
+                self._store_packed_o(mO, sO_rows, atom_O, m_block, head, seq, group, wg)
+        elif self._issues_store(tidx):
             if const_expr(self.features.varlen):
                 # the sequence's seqlen_q rows, out of bounds past them (seqlen_info.ragged_rows)
                 mO_rows = ragged_rows(mO[None, None, head, b, None], seq.offset_q, seq.seqlen_q)
@@ -1025,6 +1093,26 @@ class FlashAttentionForwardSm90:
             tOsO, tOgO = common.tma_tiles(atom_O, gO, sO_rows)
             cute.copy(atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def _store_packed_o(self, mO: cute.Tensor, sO_rows: cute.Tensor, atom_O: cute.CopyAtom, m_block: Int32,
+                        head_kv: Int32, seq: SeqlenInfo, group: Int32, wg: Int32):
+        """Packed GQA: O's rows (the tile's, or persistent this warpgroup's 64) leave in pieces of
+        SM90_PAGE_ROWS rows, each to its query head's rows of the sequence (clipped at its end)."""
+        piece = (SM90_PAGE_ROWS, self.head_dim)
+        sO_pieces = cute.flat_divide(sO_rows, piece)  # (rows, d, piece, 1)
+        queries = self.tile_m // group
+        first_row = wg * 64 if const_expr(self.persistent) else 0
+        for j in cutlass.range_constexpr(cute.size(sO_pieces, mode=[2])):
+            row = first_row + j * SM90_PAGE_ROWS
+            hh = row // queries
+            first = m_block * queries + row - hh * queries
+            mO_rows = ragged_rows(mO[None, None, head_kv * group + hh, seq.tensor_batch, None], seq.offset_q,
+                                  seq.seqlen_q)
+            gO = cute.local_tile(mO_rows, piece, (None, 0))
+            tOsO, tOgO = common.tma_tiles(atom_O, gO, sO_pieces)
+            cute.copy(atom_O, tOsO[None, j, 0], tOgO[None, first // SM90_PAGE_ROWS])
+        cute.arch.cp_async_bulk_commit_group()
 
     def _issues_store(self, tidx):
         """The thread that issues (and waits for) O's TMA stores: one per warpgroup when each
