@@ -25,7 +25,8 @@ KV-cache decode (SM80-family forward only; interface.flash_attn_with_kvcache):
 - ``split``: the K/V range of each (Q block, head, sequence) is cut into run-time ``num_splits``
   pieces run by separate CTAs, each writing an fp32 partial O and LSE (kernels/combine.py merges).
 - ``pack_gqa``: the query heads sharing a K/V head fill the rows of one tile with the queries,
-  so each K/V block is read once per K/V head.
+  so each K/V block is read once per K/V head (the SM80-family forward: row p is query p // g of
+  head p % g; the SM90 forward, varlen only: query p % (tile_m / g) of head p // (tile_m / g)).
 """
 
 from dataclasses import dataclass
@@ -57,8 +58,8 @@ class Features:
 
     @property
     def decode(self) -> bool:
-        """Any of the KV-cache decode features (which only the SM80-family forward has; ``paged``
-        alone is not one: the SM90 forward has it too)."""
+        """Any of the KV-cache decode features. The SM80-family forward has them all; the SM90
+        forward has ``paged`` (not one of these) and ``pack_gqa`` with varlen (compile.forward_key)."""
         return self.kvcache or self.paged_rows or self.split or self.pack_gqa
 
 
