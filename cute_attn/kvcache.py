@@ -403,6 +403,7 @@ def sm90_paged_varlen(q: torch.Tensor, heads_kv: int, opts, max_seqlen_q: int, p
         return None
     plan = dispatch.plan_for_device(q.device)
     features = dataclasses.replace(opts.features, varlen=True, seqused=True, paged=True, pack_gqa=pack)
+    # which family runs depends on the features, head dim and GPU, not on the dtype
     key = compile_mod.forward_key(plan.target, "bf16", q.shape[-1], opts.causal, plan.smem_capacity,
                                   kernel=plan.kernel, seqlen=max_seqlen_q, features=features, page_size=page_size)
     return features if key.kernel == "sm90" else None
@@ -490,14 +491,13 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     out = torch.empty(q_packed.shape, dtype=q.dtype, device=device)
     lse = torch.empty((1, heads, total_q), dtype=torch.float32, device=device)
     sm90 = sm90_paged_varlen(q, plan.heads_kv, opts, max_seqlen_q, plan.page_size, batch) if total_q else None
+    keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     if sm90 is not None:
-        keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         launch = _forward_launcher(q_packed, k_cache, dataclasses.replace(opts, features=sm90),
                                    max_seqlen_q=max_seqlen_q, max_seqlen_k=min(max_seqlen_k, plan.cache_len),
                                    page_size=plan.page_size)
         launch(q_packed, k_cache, v_cache, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, keys, block_table)
     elif total_q:
-        keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         launch = _decode_launcher(q_packed, k_cache, opts, min(max_seqlen_k, plan.cache_len), 0, kvcache=False,
                                   page_size=plan.page_size, varlen=(batch, max_seqlen_q))
         launch(q_packed, k_cache, v_cache, out, lse, slopes, (keys, None, None, block_table),

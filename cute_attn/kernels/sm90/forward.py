@@ -38,6 +38,13 @@ tile number from a counter, skips those past their sequence's end, and hands the
 consumers. Loads start at the sequence's first row (rows past its end are the next sequence's:
 masked, or never stored); O's store goes through a ragged view that clips a partial last tile at
 the sequence's end.
+
+Paged K/V (``paged``, varlen: flash_attn_varlen_func's block_table and the KV-cache chunks): the
+producer warp loads a K/V block as pieces of traits.SM90_PAGE_ROWS rows, one TMA load per piece
+from the page lane j of the warp read from the block table (``_block_pages``, ``_tma_load_pages``).
+Packed GQA (``pack_gqa``, varlen): the tiles run over K/V heads, tile row r holding query
+m_block * tile_m / g + r % (tile_m / g) of query head r // (tile_m / g); Q and O move in 16-row
+TMA pieces, each a run of one head's queries (``_load_packed_q``, ``_store_packed_o``).
 """
 
 from functools import partial
