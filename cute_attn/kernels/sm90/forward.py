@@ -154,6 +154,8 @@ class FlashAttentionForwardSm90:
         # SM90_PAGE_ROWS queries: g divides tile_m / 16, a run-time fact the host checks), and each
         # K/V block is read once for the g heads
         self.pack_gqa = features.pack_gqa
+        # the (rows, head_dim) box of one TMA piece (paged K/V, packed Q and O)
+        self.piece = (SM90_PAGE_ROWS, head_dim)
         assert not self.pack_gqa or (features.varlen and not features.alibi), "packed GQA: varlen, no ALiBi"
         assert not (features.kvcache or features.split or features.paged_rows), "decode features: the SM80 kernel"
         self.cluster_size = 2 if kv_multicast else 1
@@ -203,7 +205,7 @@ class FlashAttentionForwardSm90:
 
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         # packed GQA: Q and O move in pieces of SM90_PAGE_ROWS rows, each from its own query head
-        piece = (SM90_PAGE_ROWS, d)
+        piece = self.piece
         q_box = piece if const_expr(self.pack_gqa) else (m, d)
         atom_Q, tma_Q = cpasync.make_tiled_tma_atom(load, mQ, self._box_layout(sQ_stage, q_box), q_box)
         # K/V: with multicast, each CTA of a cluster loads 1 / cluster_size of a block into all of them
@@ -639,7 +641,7 @@ class FlashAttentionForwardSm90:
                 tQsQ, tQgQ = common.tma_tiles(atom_Q, gQ, sQ)
             if const_expr(self.features.paged):
                 # (rows, d, piece of a page, page) from the pool; a stage as (rows, d, piece, 1, stage)
-                piece = (SM90_PAGE_ROWS, self.head_dim)
+                piece = self.piece
                 gK = cute.local_tile(mK[None, None, head_kv, None], piece, (None, 0, None))
                 gV = cute.local_tile(mV[None, None, head_kv, None], piece, (None, 0, None))
                 tKsK, tKgK = common.tma_tiles(atom_K, gK, cute.flat_divide(sK, piece))
@@ -696,7 +698,7 @@ class FlashAttentionForwardSm90:
         """Packed GQA: tile row r is query m_block * (tile_m / g) + r % (tile_m / g) of query head
         head_kv * g + r // (tile_m / g); one TMA load per SM90_PAGE_ROWS rows (a run of queries of
         one head), all completing the Q stage's barrier."""
-        piece = (SM90_PAGE_ROWS, self.head_dim)
+        piece = self.piece
         sQ_pieces = cute.flat_divide(sQ, piece)  # (rows, d, piece, 1, stage)
         queries = self.tile_m // group
         for j in cutlass.range_constexpr(self.tile_m // SM90_PAGE_ROWS):
@@ -1106,7 +1108,7 @@ class FlashAttentionForwardSm90:
                         head_kv: Int32, seq: SeqlenInfo, group: Int32, wg: Int32):
         """Packed GQA: O's rows (the tile's, or persistent this warpgroup's 64) leave in pieces of
         SM90_PAGE_ROWS rows, each to its query head's rows of the sequence (clipped at its end)."""
-        piece = (SM90_PAGE_ROWS, self.head_dim)
+        piece = self.piece
         sO_pieces = cute.flat_divide(sO_rows, piece)  # (rows, d, piece, 1)
         queries = self.tile_m // group
         first_row = wg * 64 if const_expr(self.persistent) else 0
