@@ -46,7 +46,9 @@ from typing import Any, Callable, Iterable
 
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.traits import (
+    PAGE_BLOCK_MIN,
     SM90_CAUSAL_DYNAMIC_TILES,
+    SM90_PAGE_ROWS,
     BackwardTraits,
     ForwardTraits,
     Sm90BackwardTraits,
@@ -950,19 +952,14 @@ def forward_tier_siblings(key: ForwardKey) -> list[ForwardKey]:
       when few query rows meet many keys (interface._underfilled);
     - a KV-cache decode key, or a paged varlen one (flash_attn_varlen_func's block_table): the same
       kernel with split-KV toggled (the split count follows the cache length,
-      interface.decode_num_splits).
+      interface.decode_num_splits);
+    - and for those and the SM90 paged keys, where the call's lengths can move it (``_paged_route_keys``).
     An explicit-traits key has no siblings."""
     if key.kernel == "sm80" and (key.features.decode or key.features.paged):
-        return [key, _with_features(key, split=not key.features.split)]
+        return list(dict.fromkeys([key, _with_features(key, split=not key.features.split)]
+                                  + _paged_route_keys(key)))
     if key.kernel == "sm90":
-        siblings = [
-            ForwardKey(key.kernel, key.target, key.dtype, key.head_dim, key.causal, key.check_hdim,
-                       _sm90_for_features(sm90_forward_traits(key.head_dim, key.causal, None, tier), key.features,
-                                          key.causal),
-                       key.features)
-            for tier in sm90_seqlen_tiers(key.head_dim, key.causal)
-        ]
-        siblings = list(dict.fromkeys(siblings))  # tiers that a feature makes alike (causal varlen)
+        siblings = _sm90_tier_keys(key)
     else:
         siblings = [key] if key.candidates == sm80_forward_traits(key.head_dim, key.causal) else []
     if key not in siblings:
@@ -970,7 +967,48 @@ def forward_tier_siblings(key: ForwardKey) -> list[ForwardKey]:
     if not (key.features.varlen or key.features.decode):
         siblings.append(forward_split_key(key.target, key.dtype, key.head_dim - 8 * key.check_hdim, key.causal,
                                           key.features))
+    if key.kernel == "sm90" and key.features.paged:
+        siblings = list(dict.fromkeys(siblings + _paged_route_keys(key)))
     return siblings
+
+
+def _sm90_tier_keys(key: ForwardKey) -> list[ForwardKey]:
+    """Every length tier of an SM90 table key's configuration (tiers that a feature makes alike,
+    as causal varlen's, once)."""
+    return list(dict.fromkeys(
+        ForwardKey(key.kernel, key.target, key.dtype, key.head_dim, key.causal, key.check_hdim,
+                   _sm90_for_features(sm90_forward_traits(key.head_dim, key.causal, None, tier), key.features,
+                                      key.causal),
+                   key.features)
+        for tier in sm90_seqlen_tiers(key.head_dim, key.causal)
+    ))
+
+
+def _paged_route_keys(key: ForwardKey) -> list[ForwardKey]:
+    """The kernels a paged or KV-cache call can move to as its lengths change, on sm_90a: the queries
+    per sequence pick the decode kernel or the SM90 forward, and whether that packs GQA
+    (kvcache.sm90_paged_varlen). From a decode key: the SM90 forward's keys, packed and not (every
+    tier); from an SM90 paged key: the other packing and the paged varlen call's decode keys (pages
+    of 16 and of 64 keys, split and not). Other page sizes' decode keys are not guessed."""
+    f = key.features
+    if key.target != "sm_90a" or not (f.paged or f.kvcache):
+        return []
+    head_dim = key.head_dim - 8 * key.check_hdim  # a head dim that pads to the key's, as the key's own
+    scores = dict(local=f.local, softcap=f.softcap, alibi=f.alibi)
+    route = []
+    for pack in (False,) if f.alibi else (False, True):
+        sm90 = Features(**scores, varlen=True, seqused=True, paged=True, pack_gqa=pack)
+        sm90_key = forward_key(key.target, key.dtype, head_dim, key.causal, kernel="sm90", features=sm90,
+                               page_size=SM90_PAGE_ROWS)
+        if sm90_key.kernel == "sm90":
+            route += _sm90_tier_keys(sm90_key)
+    if key.kernel == "sm90":
+        decode = Features(**scores, varlen=True, seqused=True, paged=True, split=True, pack_gqa=not f.alibi)
+        for page_size in (SM90_PAGE_ROWS, PAGE_BLOCK_MIN):
+            decode_key = forward_key(key.target, key.dtype, head_dim, key.causal, features=decode,
+                                     page_size=page_size)
+            route += [decode_key, _with_features(decode_key, split=False)]
+    return [k for k in route if k != key]
 
 
 def _with_features(key: ForwardKey, **changes) -> ForwardKey:

@@ -126,9 +126,9 @@ def test_page_sizes_share_kernels(head_dim):
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True), (192, True), (256, False)])
 def test_sm90_paged_varlen_keys(head_dim, causal):
     """flash_attn_varlen_func's block_table asked of the SM90 family: one SM90 forward key for
-    every page size that is a multiple of 16 keys, its length tiers built together (no split
-    sibling: the SM90 forward has none); other page sizes, the sm80 family and the sm_80 target
-    run the decode kernel."""
+    every page size that is a multiple of 16 keys, its length tiers built together (with the
+    packed key and the decode keys its lengths can move it to); other page sizes, the sm80 family
+    and the sm_80 target run the decode kernel."""
     from cute_attn.compile import forward_key, forward_tier_siblings
     from cute_attn.kernels.features import Features
 
@@ -140,8 +140,10 @@ def test_sm90_paged_varlen_keys(head_dim, causal):
     key = keys.pop()
     assert key.kernel == "sm90" and key.features == paged and key.head_dim == head_dim
     assert all(t.tile_n % 16 == 0 and not t.kv_multicast for t in key.candidates)
-    siblings = forward_tier_siblings(key)
-    assert key in siblings and all(s.kernel == "sm90" and s.features == paged for s in siblings)
+    siblings = forward_tier_siblings(key)  # its tiers, then the paged call's other routes
+    tiers = [s for s in siblings if s.features == paged]
+    assert siblings[0] == key and all(s.kernel == "sm90" for s in tiers)
+    assert all(s.kernel == "sm80" or s.features.pack_gqa for s in siblings if s not in tiers)
     for page_size in (1, 5, 8, 24, 40, 100):
         other = forward_key("sm_90a", "bf16", head_dim, causal, smem, kernel="sm90", seqlen=1000, features=paged,
                             page_size=page_size)
@@ -160,6 +162,38 @@ def test_sm90_paged_varlen_keys(head_dim, causal):
                    Features(kvcache=True, paged=True, pack_gqa=True)):
         assert forward_key("sm_90a", "bf16", head_dim, causal, smem, kernel="sm90", features=decode,
                            page_size=64).kernel == "sm80", decode
+
+
+def test_paged_route_kernels_are_built_together():
+    """A paged call's lengths pick the decode kernel or the SM90 forward, packed or not
+    (kvcache.sm90_paged_varlen): on sm_90a the keys of either route are built beside the first one
+    used (compile.forward_tier_siblings), so a new batch composition does not compile; on sm_80
+    only the split-KV pair."""
+    from cute_attn.compile import forward_key, forward_tier_siblings
+    from cute_attn.kernels.features import Features
+
+    smem = 227 * 1024
+    sm90 = {pack: forward_key("sm_90a", "bf16", 128, True, smem, kernel="sm90", seqlen=1000, page_size=16,
+                              features=Features(varlen=True, seqused=True, paged=True, pack_gqa=pack))
+            for pack in (False, True)}
+    decode = forward_key("sm_90a", "bf16", 128, True, smem, page_size=16,
+                         features=Features(varlen=True, seqused=True, paged=True, split=True, pack_gqa=True))
+    kvcache = forward_key("sm_90a", "bf16", 128, True, smem, page_size=64,
+                          features=Features(kvcache=True, paged=True, split=True, pack_gqa=True))
+    assert {sm90[False].kernel, sm90[True].kernel, decode.kernel} == {"sm90", "sm80"}
+    for key in (sm90[False], sm90[True]):
+        siblings = forward_tier_siblings(key)
+        assert siblings[0] == key and sm90[not key.features.pack_gqa] in siblings and decode in siblings
+    for key in (decode, kvcache):
+        siblings = forward_tier_siblings(key)
+        assert siblings[0] == key and sm90[False] in siblings and sm90[True] in siblings
+    sm80 = forward_key("sm_80", "bf16", 128, True, smem, page_size=16,
+                       features=Features(kvcache=True, paged=True, split=True, pack_gqa=True))
+    assert len(forward_tier_siblings(sm80)) == 2
+    # ALiBi: no packed variant anywhere
+    alibi = forward_key("sm_90a", "bf16", 128, True, smem, page_size=16,
+                        features=Features(varlen=True, seqused=True, paged=True, alibi=True, split=True))
+    assert not any(k.features.pack_gqa for k in forward_tier_siblings(alibi))
 
 
 def test_sm90_packs_gqa():
