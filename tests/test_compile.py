@@ -271,6 +271,120 @@ def test_tile_scheduler_visits_every_tile_once_longest_first():
             assert [t[0] for t in tiles[:m_blocks]] == list(range(m_blocks - 1, -1, -1))
 
 
+def _varlen_tiles(lens, queries, heads, section, causal):
+    """The SM90 forward's varlen tile numbering over the longest sequence's Q blocks: (number of
+    tiles, whether a number is past its sequence's end, the run end the kernel's _holes_end gives)."""
+    from cute_attn.kernels import tile_scheduler as ts
+
+    batch, m_blocks = len(lens), max(-(-max(lens) // queries), 1)
+    blocks = [-(-n // queries) for n in lens]
+
+    def coords(t):
+        if causal:
+            return ts.tile_coords(t, m_blocks, heads, batch, section)
+        pair = t // m_blocks
+        return t % m_blocks, pair % heads, pair // heads
+
+    def hole(t):
+        m, _, b = coords(t)
+        return m * queries >= lens[b]
+
+    def holes_end(t):
+        if causal:
+            first, last = ts.section_batches(t, m_blocks, heads, batch, section)
+            return ts.tile_holes_end(t, m_blocks, heads, batch, section, max(blocks[first:last + 1]))
+        return ts.pair_holes_end(t, m_blocks)
+
+    return m_blocks * heads * batch, hole, holes_end
+
+
+def _dynamic_deal(num_tiles, grid, hole, holes_end, rng):
+    """A model of the SM90 forward's dynamic deal (_claim_tile, _claim_after_holes, _fetch_tile),
+    the CTAs' atomics interleaved at random: (tiles run, in claim order; atomics issued)."""
+    counter, run, atomics = [0], [], [0]
+
+    def atomic(op, value):
+        atomics[0] += 1
+        old = counter[0]
+        counter[0] = max(old, value) if op == "max" else old + value
+        return old
+
+    def cta(first):
+        tile = first
+        while True:
+            while tile < num_tiles and hole(tile):
+                end = holes_end(tile)
+                yield
+                if atomic("max", end + 1 - grid) > end - grid:
+                    yield
+                    tile = grid + atomic("add", 1)
+                else:
+                    tile = end
+            if tile >= num_tiles:
+                return
+            run.append(tile)
+            yield
+            tile = grid + atomic("add", 1)
+
+    live = [cta(i) for i in range(grid)]
+    while live:
+        g = rng.choice(live)
+        try:
+            next(g)
+        except StopIteration:
+            live.remove(g)
+    return run, atomics[0]
+
+
+def test_varlen_deals_skip_runs_of_tiles_past_the_ends():
+    """Every tile that exists runs once under the dynamic and the static deal, which jump over
+    runs of numbers past their sequences' ends (tile_scheduler.tile_holes_end, pair_holes_end)."""
+    import random
+
+    from cute_attn.kernels.tile_scheduler import nth_tile
+
+    rng = random.Random(0)
+    cases = [([4096] + [1] * 31, 32, 8, 16, True),  # a chunk and decode rows, packed GQA g = 4
+             ([1] * 31 + [4096], 32, 8, 16, True), ([0, 5, 0, 300, 17, 0], 128, 3, 4, True),
+             ([129, 0, 1000, 1, 127], 64, 2, 1, True), ([0, 0], 128, 4, 3, True)]
+    cases += [(lens, q, h, s, False) for lens, q, h, s, _ in cases]
+    for _ in range(6):
+        lens = [rng.choice([0, 1, 17, 113, 129, rng.randrange(1, 3000)]) for _ in range(rng.randrange(1, 40))]
+        cases.append((lens, rng.choice([32, 64, 128]), rng.randrange(1, 9), rng.randrange(1, 50), rng.random() < 0.5))
+    for lens, queries, heads, section, causal in cases:
+        num_tiles, hole, holes_end = _varlen_tiles(lens, queries, heads, section, causal)
+        real = [t for t in range(num_tiles) if not hole(t)]
+        next_real = num_tiles  # the first tile that exists at or after t
+        for t in range(num_tiles - 1, -1, -1):
+            if hole(t):
+                end = holes_end(t)
+                assert t < end <= next_real, (lens, t, end)
+            else:
+                next_real = t
+        for grid in (7, 132):
+            run, atomics = _dynamic_deal(num_tiles, grid, hole, holes_end, rng)
+            assert sorted(run) == real, (lens, grid)
+            # the static deal: a CTA's rounds jump to the first whose tile may lie past the run
+            dealt = []
+            for cta in range(grid):
+                r = 0
+                while True:
+                    tile = nth_tile(r, cta, grid)
+                    while tile < num_tiles and hole(tile):
+                        r = max(r + 1, holes_end(tile) // grid)
+                        tile = nth_tile(r, cta, grid)
+                    if tile >= num_tiles:
+                        break
+                    dealt.append(tile)
+                    r += 1
+            assert sorted(dealt) == real
+    # the chunk of 4096 queries beside 31 decode rows: 32768 numbers for 1272 tiles, which took an
+    # atomic a number before; ~3.4k now (the model's CTAs contend on every step)
+    num_tiles, hole, holes_end = _varlen_tiles([4096] + [1] * 31, 32, 8, 16, True)
+    run, atomics = _dynamic_deal(num_tiles, 132, hole, holes_end, rng)
+    assert num_tiles == 32768 and len(run) == 1024 + 31 * 8 and atomics < num_tiles // 6, atomics
+
+
 def test_backward_causal_order_runs_block_0_of_a_section_first():
     import itertools
 

@@ -25,20 +25,58 @@ from cutlass import Int32
 from cute_attn.traits import L2_BYTES_FOR_KV, heads_per_section  # noqa: F401
 
 
-def section_coords(block: Int32, num_blocks: Int32, heads: Int32, batch: Int32, section: Int32,
-                   reverse: bool = False):
-    """(k, head, batch) of number ``block`` when the (batch, head) pairs are cut into sections of
-    ``section`` pairs and each section runs its pairs' k-th blocks, k = 0, 1, ..., side by side
-    (``reverse``: k = num_blocks - 1, num_blocks - 2, ...). Plain operators (min aside): runs on
+def section_row(block: Int32, num_blocks: Int32, heads: Int32, batch: Int32, section: Int32):
+    """Where number ``block`` sits when the (batch, head) pairs are cut into sections of ``section``
+    pairs and each section runs its pairs' k-th blocks side by side: (the section's first number,
+    its first pair, its width in pairs, the row k, the pair). Plain operators (min aside): runs on
     Python ints in the CPU tests."""
     pairs = heads * batch
     section_blocks = section * num_blocks
     index = block // section_blocks
-    width = cutlass.min(section, pairs - index * section)  # the last section may hold fewer pairs
+    first_pair = index * section
+    width = cutlass.min(section, pairs - first_pair)  # the last section may hold fewer pairs
     rest = block - index * section_blocks
     k = rest // width
-    pair = index * section + (rest - k * width)
+    return index * section_blocks, first_pair, width, k, first_pair + (rest - k * width)
+
+
+def section_coords(block: Int32, num_blocks: Int32, heads: Int32, batch: Int32, section: Int32,
+                   reverse: bool = False):
+    """(k, head, batch) of number ``block`` in sections of ``section`` pairs (``section_row``),
+    k = 0, 1, ... (``reverse``: k = num_blocks - 1, num_blocks - 2, ...)."""
+    _, _, _, k, pair = section_row(block, num_blocks, heads, batch, section)
     return num_blocks - 1 - k if reverse else k, pair % heads, pair // heads
+
+
+def section_batches(block: Int32, num_blocks: Int32, heads: Int32, batch: Int32, section: Int32):
+    """(first, last) batch of the pairs in number ``block``'s section."""
+    _, first_pair, width, _, _ = section_row(block, num_blocks, heads, batch, section)
+    return first_pair // heads, (first_pair + width - 1) // heads
+
+
+def tile_holes_end(block: Int32, num_blocks: Int32, heads: Int32, batch: Int32, section: Int32,
+                   section_m_blocks: Int32):
+    """Varlen in ``tile_coords``' order, ``block`` a tile past its sequence's end: the first number
+    after it that may not be one (all numbers in between are past their sequences' ends too). The
+    rest of its batch's pairs in its row are (the same Q block of the same sequence), and so is
+    every row of a Q block that no sequence of the section reaches (``section_m_blocks``: the
+    section's longest sequence in Q blocks). A batch of a few long sequences among many short ones
+    has rows upon rows of such numbers (a chunk of 4096 queries and 31 decode rows: ~28k), which a
+    dynamic deal would otherwise hand out one atomic at a time."""
+    start, first_pair, width, k, pair = section_row(block, num_blocks, heads, batch, section)
+    row = start + k * width
+    end = row + cutlass.min((pair // heads + 1) * heads, first_pair + width) - first_pair
+    # (the rows before the section's longest Q block end there; from that row on, this bound is
+    # below ``end`` already)
+    return cutlass.max(end, start + (num_blocks - section_m_blocks) * width)
+
+
+def pair_holes_end(block: Int32, num_blocks: Int32):
+    """Varlen in Q-block-fastest order (pair = block // num_blocks), ``block`` a tile past its
+    sequence's end: the first number after the rest of its (batch, head)'s blocks. (Skipping a
+    sequence without queries whole, every head at once, spilled registers in the kernels of a
+    static deal.)"""
+    return (block // num_blocks + 1) * num_blocks
 
 
 def tile_coords(block: Int32, num_m_blocks: Int32, heads: Int32, batch: Int32, section: Int32):
@@ -75,7 +113,8 @@ def nth_tile(r, cta, grid):
 # Non-causal varlen batches of up to VARLEN_COMPACT_BATCH sequences number their tiles without
 # holes (no tile past a sequence's end), from cu_seqlens_q in the kernel: a lane per sequence, so
 # one warp pass (called by a whole warp, convergent). Larger batches, and causal ones, keep the
-# dense order over the longest sequence's Q blocks and skip the tiles past a sequence's end: a
+# dense order over the longest sequence's Q blocks and skip the tiles past a sequence's end, a run
+# of them at a time (tile_holes_end, pair_holes_end): a
 # many-sequence decode would loop over groups of 32 on every tile, and for causal batches the
 # numbering without holes measured slower on H100 (docs/performance.md).
 VARLEN_COMPACT_BATCH = 32

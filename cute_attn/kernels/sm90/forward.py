@@ -350,6 +350,7 @@ class FlashAttentionForwardSm90:
         count_tiles = partial(self._tiles_to_walk, mQ, mCuSeqlensQ, max_seqlen_q, qheads_per_kvhead)
         coords = partial(self._tile_coords, mQ, mCuSeqlensQ, max_seqlen_q, heads_per_section, qheads_per_kvhead)
         past_end = partial(self._past_end, coords, mCuSeqlensQ, qheads_per_kvhead)
+        holes_end = partial(self._holes_end, mQ, mCuSeqlensQ, max_seqlen_q, heads_per_section, qheads_per_kvhead)
         tiles = partial(
             self._tile, coords, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, qheads_per_kvhead,
             window_left if const_expr(self.features.local) else None,
@@ -359,14 +360,14 @@ class FlashAttentionForwardSm90:
         # the round of a static deal, or the position in the tile-number handoff of a dynamic one)
         if const_expr(self.dynamic_tiles):
             walk_producer = (
-                partial(self._claim_first_tile, past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds),
-                partial(self._claim_next_tile, past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds),
+                partial(self._claim_first_tile, past_end, holes_end, mTileCounter, pipe_tile, sTileIds),
+                partial(self._claim_next_tile, past_end, holes_end, mTileCounter, pipe_tile, sTileIds),
             )
             walk_consumer = (partial(self._receive_first_tile, pipe_tile, sTileIds),
                              partial(self._receive_tile, pipe_tile, sTileIds))
         else:
-            walk_producer = walk_consumer = (partial(self._first_dealt_tile, past_end, mCuSeqlensQ),
-                                             partial(self._next_dealt_tile, past_end, mCuSeqlensQ))
+            walk_producer = walk_consumer = (partial(self._first_dealt_tile, past_end, holes_end, mCuSeqlensQ),
+                                             partial(self._next_dealt_tile, past_end, holes_end, mCuSeqlensQ))
         pipeline.pipeline_init_wait(cluster_shape_mn=self._cluster_vmnk())
 
         if warp_idx < 4:
@@ -443,11 +444,12 @@ class FlashAttentionForwardSm90:
         return m_block, head, head_kv, seq, (n_block_max, n_masked_right, n_unmasked, n_masked_left)
 
     @cute.jit
-    def _next_tile(self, past_end, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32, rounds: Int32):
+    def _next_tile(self, past_end, holes_end, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32, rounds: Int32):
         """(round, tile) of this CTA's first tile from round ``rounds`` on (tile >= num_tiles: none
         left). Varlen: the tiles past their sequence's end are skipped, by the producer and the
         consumers alike, so that every role (and ``overlap_tiles``' look at the next tile) sees
-        the same tiles; numbered without holes (``_maybe_compact``), there are none."""
+        the same tiles, a run of them at once (the rounds whose tiles all lie before
+        ``holes_end``); numbered without holes (``_maybe_compact``), there are none."""
         tile = self._nth_tile(rounds)
         if const_expr(self.features.varlen):
             holes = True
@@ -457,19 +459,23 @@ class FlashAttentionForwardSm90:
                 skip = past_end(num_tiles, tile)
                 while skip:
                     rounds += 1
+                    if const_expr(self.persistent):
+                        # round r's tiles are numbered from r * grid on
+                        rounds = cutlass.max(rounds, holes_end(tile) // cute.arch.grid_dim()[0])
                     tile = self._nth_tile(rounds)
                     skip = past_end(num_tiles, tile)
         return rounds, tile
 
     @cute.jit
-    def _first_dealt_tile(self, past_end, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32):
+    def _first_dealt_tile(self, past_end, holes_end, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32):
         """Static deal: (round, tile) of this CTA's first tile."""
-        return self._next_tile(past_end, mCuSeqlensQ, num_tiles, Int32(0))
+        return self._next_tile(past_end, holes_end, mCuSeqlensQ, num_tiles, Int32(0))
 
     @cute.jit
-    def _next_dealt_tile(self, past_end, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32, rounds: Int32):
+    def _next_dealt_tile(self, past_end, holes_end, mCuSeqlensQ: cute.Tensor | None, num_tiles: Int32,
+                         rounds: Int32):
         """Static deal: (round, tile) of this CTA's tile after round ``rounds``."""
-        return self._next_tile(past_end, mCuSeqlensQ, num_tiles, rounds + 1)
+        return self._next_tile(past_end, holes_end, mCuSeqlensQ, num_tiles, rounds + 1)
 
     @cute.jit
     def _fetch_tile(self, mTileCounter: cute.Tensor):
@@ -481,15 +487,31 @@ class FlashAttentionForwardSm90:
         return cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(taken, 0)
 
     @cute.jit
-    def _claim_tile(self, past_end, mCuSeqlensQ: cute.Tensor | None, mTileCounter: cute.Tensor, pipe_tile,
-                    sTileIds: cute.Tensor, num_tiles: Int32, state, tile: Int32):
+    def _claim_after_holes(self, mTileCounter: cute.Tensor, end: Int32):
+        """Dynamic deal (the producer warp), every number from the last one claimed up to ``end``
+        past its sequence's end: number ``end`` where the counter has not reached it (one atomic
+        max moves the counter past the run and claims it: the numbers it passes are all past their
+        ends, or first tiles, which the counter never hands out), else the next number nobody has
+        taken."""
+        grid = cute.arch.grid_dim()[0]
+        taken = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            taken = end
+            if cute.arch.atomic_max(mTileCounter.iterator, end + 1 - grid) > end - grid:
+                taken = grid + cute.arch.atomic_add(mTileCounter.iterator, Int32(1))
+        return cute.arch.shuffle_sync(taken, 0)
+
+    @cute.jit
+    def _claim_tile(self, past_end, holes_end, mTileCounter: cute.Tensor, pipe_tile, sTileIds: cute.Tensor,
+                    num_tiles: Int32, state, tile: Int32):
         """Dynamic deal (the producer warp): from tile number ``tile`` on, the first tile that
-        exists (varlen: one past its sequence's end takes another number), handed to the consumers.
-        A number past the last tile is handed over too: it ends their walk."""
+        exists (varlen: one past its sequence's end takes another number, after the run of such
+        numbers it starts: ``holes_end``), handed to the consumers. A number past the last tile is
+        handed over too: it ends their walk."""
         if const_expr(self.features.varlen):
             skip = past_end(num_tiles, tile)
             while skip:
-                tile = self._fetch_tile(mTileCounter)
+                tile = self._claim_after_holes(mTileCounter, holes_end(tile))
                 skip = past_end(num_tiles, tile)
         pipe_tile.producer_acquire(state)
         if cute.arch.lane_idx() == 0:
@@ -499,14 +521,14 @@ class FlashAttentionForwardSm90:
         return state, tile
 
     @cute.jit
-    def _claim_first_tile(self, past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles: Int32):
+    def _claim_first_tile(self, past_end, holes_end, mTileCounter, pipe_tile, sTileIds, num_tiles: Int32):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_ID_STAGES)
-        return self._claim_tile(past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles, state,
+        return self._claim_tile(past_end, holes_end, mTileCounter, pipe_tile, sTileIds, num_tiles, state,
                                 cute.arch.block_idx()[0])
 
     @cute.jit
-    def _claim_next_tile(self, past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles: Int32, state):
-        return self._claim_tile(past_end, mCuSeqlensQ, mTileCounter, pipe_tile, sTileIds, num_tiles, state,
+    def _claim_next_tile(self, past_end, holes_end, mTileCounter, pipe_tile, sTileIds, num_tiles: Int32, state):
+        return self._claim_tile(past_end, holes_end, mTileCounter, pipe_tile, sTileIds, num_tiles, state,
                                 self._fetch_tile(mTileCounter))
 
     @cute.jit
@@ -532,6 +554,28 @@ class FlashAttentionForwardSm90:
         m_block, _, batch = coords(tile if exists else 0)
         seqlen_q = mCuSeqlensQ[batch + 1] - mCuSeqlensQ[batch]
         return exists and m_block * self._tile_queries(group) >= seqlen_q
+
+    @cute.jit
+    def _holes_end(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, max_seqlen_q: Int32, heads_per_section: Int32,
+                   group: Int32, tile: Int32):
+        """Varlen, ``tile`` a number past its sequence's end: the first number after it that may
+        not be one. Causal order: tile_scheduler.tile_holes_end (the section's longest sequence
+        read a lane per batch); Q block fastest: tile_scheduler.pair_holes_end. Called by a whole
+        warp (convergent)."""
+        num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q, group)
+        end = tile + 1
+        if const_expr(self.causal):
+            first, last = tile_scheduler.section_batches(tile, num_m_blocks, heads, batches, heads_per_section)
+            longest = Int32(0)
+            for b in cutlass.range(first + cute.arch.lane_idx(), last + 1, 32, unroll=1):
+                longest = cutlass.max(longest, mCuSeqlensQ[b + 1] - mCuSeqlensQ[b])
+            longest = cute.arch.warp_redux_sync(longest, "max")
+            queries = self._tile_queries(group)
+            end = tile_scheduler.tile_holes_end(tile, num_m_blocks, heads, batches, heads_per_section,
+                                                (longest + queries - 1) // queries)
+        else:
+            end = tile_scheduler.pair_holes_end(tile, num_m_blocks)
+        return end
 
     def _nth_tile(self, r: Int32) -> Int32:
         """This CTA's r-th tile (tile_scheduler.nth_tile; a non-persistent grid has one round)."""
