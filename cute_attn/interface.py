@@ -334,6 +334,22 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
                                   softmax_scale, False, *_op_window(window_size), float(softcap), alibi_slopes,
                                   seqused_k)
         return (out, lse) if return_lse else out
+    # a call like an earlier valid one (as ``forward``'s, max_seqlen included) skips the checks
+    signature = None
+    if not torch.compiler.is_compiling():
+        tensors = tuple(t for t in (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, out, alibi_slopes)
+                        if t is not None)
+        signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, seqused_k is None, out is None,
+                                         alibi_slopes is None, causal, softmax_scale, window_size, softcap))
+    launch = _VARLEN_LAUNCHES.get(signature)
+    if launch is not None and _aligned((q, k, v) if out is None else (q, k, v, out)):
+        total_q, heads, _ = q.shape
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        lse = torch.empty((heads, total_q), dtype=torch.float32, device=q.device)
+        slopes = _alibi_slopes(alibi_slopes, cu_seqlens_q.shape[0] - 1, heads, q.device)
+        launch(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q,
+               cu_seqlens_k, slopes, seqused_k)
+        return (out, lse) if return_lse else out
     batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     _check_qkv(q4, k4, v4)
@@ -356,11 +372,14 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
     else:
         launch = _forward_launcher(q4, k4, opts, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         launch(q4, k4, v4, out.unsqueeze(0), lse.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, slopes, seqused_k)
+        _remember(_VARLEN_LAUNCHES, signature, launch)
     return (out, lse) if return_lse else out
 
 
 # launches of validated argument signatures (``forward``'s fast path); cleared when full
 _FORWARD_LAUNCHES: dict = {}
+_VARLEN_LAUNCHES: dict = {}  # as _FORWARD_LAUNCHES, for ``varlen_forward``
+_VARLEN_CALLS: dict = {}  # ``flash_attn_varlen_func``'s checked signatures
 _MAX_LAUNCHES = 4096
 
 
@@ -1079,14 +1098,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     block_table[b] (int32 (batch, max_pages)) lists. Inference only: no autograd (q, k or v that
     require grad raise NotImplementedError); runs the KV-cache decode kernel with packed queries
     (``kvcache.varlen_paged``)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _check_fa2_options(dropout_p, return_attn_probs, deterministic)
-    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          paged=block_table is not None)
-    _check_seqused_k(seqused_k, batch, q)
-    _score_options(causal, softmax_scale, q.shape[2], window_size, softcap)
+    # a call like an earlier valid one skips these checks (as ``forward``'s fast path; not while
+    # torch.compile traces the call, which runs them once)
+    signature = None
+    if not torch.compiler.is_compiling():
+        tensors = tuple(t for t in (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes)
+                        if t is not None)
+        signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, seqused_k is None, block_table is None,
+                                         alibi_slopes is None, dropout_p, softmax_scale, causal, window_size, softcap,
+                                         deterministic, return_attn_probs))
+    if signature is None or signature not in _VARLEN_CALLS:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check_fa2_options(dropout_p, return_attn_probs, deterministic)
+        batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              paged=block_table is not None)
+        _check_seqused_k(seqused_k, batch, q)
+        _score_options(causal, softmax_scale, q.shape[2], window_size, softcap)
+        _remember(_VARLEN_CALLS, signature, True)
     if block_table is not None and torch.compiler.is_compiling():  # the custom op (integrations/custom_ops.py)
         from cute_attn.integrations import custom_ops as ops
 

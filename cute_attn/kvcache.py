@@ -467,7 +467,33 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     GQA as ``flash_attn_with_kvcache`` picks them. On Hopper, batches of chunks over pages of a
     multiple of traits.SM90_PAGE_ROWS keys run the SM90 forward instead (wgmma, a TMA load per
     page piece, packed GQA; ``sm90_paged_varlen``). No host
-    synchronisation. Inference only: q, k or v that require grad raise NotImplementedError."""
+    synchronisation. Inference only: q, k or v that require grad raise NotImplementedError.
+    A call like an earlier valid one (the same tensor types, dtypes, devices, shapes and strides,
+    options and max_seqlen) skips the checks and the kernel choice (``_PAGED_VARLEN_RUNS``)."""
+    from cute_attn.interface import _aligned, _remember, _signature
+
+    tensors = tuple(t for t in (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes)
+                    if t is not None)
+    signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, seqused_k is None, alibi_slopes is None,
+                                     softmax_scale, causal, window_size, softcap))
+    run = _PAGED_VARLEN_RUNS.get(signature)
+    if (run is None or not _aligned((q, k_cache, v_cache))
+            or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad))):
+        run = _varlen_paged_run(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                block_table, seqused_k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+        _remember(_PAGED_VARLEN_RUNS, signature, run)
+    return run(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes)
+
+
+# validated paged varlen calls: signature -> run (interface._FORWARD_LAUNCHES' rules)
+_PAGED_VARLEN_RUNS: dict = {}
+
+
+def _varlen_paged_run(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                      block_table, seqused_k, softmax_scale, causal: bool, window_size, softcap: float, alibi_slopes):
+    """``varlen_paged``'s checks and kernel choice: a function of (q, k_cache, v_cache,
+    cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes) -> (out, lse) that runs
+    any call of the same signature."""
     from cute_attn.interface import _alibi_slopes, _decode_launcher, _forward_launcher, _score_options
 
     total_q, heads, head_dim = q.shape
@@ -475,31 +501,41 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     device = q.device
     # every check before anything runs: the KV-cache call's own on a stand-in of its shapes (batch,
     # max_seqlen_q queries; a broadcast view, no memory), cu_seqlens_k[1:] for the key counts (a
-    # subtraction on the device), then the packed q's own layout
+    # view), then the packed q's own layout
     q_like = q.new_empty((1, 1, 1, head_dim)).expand(batch, max_seqlen_q, heads, head_dim)
     plan = check_kvcache_args(q_like, k_cache, v_cache, block_table=block_table,
                               cache_seqlens=seqused_k if seqused_k is not None else cu_seqlens_k[1:])
     _check_layout("q", q)
     _check_cuda("q", q)
     opts = _score_options(causal, softmax_scale, head_dim, window_size, softcap, alibi_slopes is not None)
-    slopes = _alibi_slopes(alibi_slopes, batch, heads, device)
+    _alibi_slopes(alibi_slopes, batch, heads, device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise NotImplementedError("flash_attn_varlen_func with a block_table has no backward (inference, as "
                                   "FlashAttention-2's paged path): call it under torch.no_grad() or with tensors "
                                   "that do not require grad")
-    q_packed = q.unsqueeze(0)  # (1, total_q, heads, d): the varlen kernels' view
-    out = torch.empty(q_packed.shape, dtype=q.dtype, device=device)
-    lse = torch.empty((1, heads, total_q), dtype=torch.float32, device=device)
-    sm90 = sm90_paged_varlen(q, plan.heads_kv, opts, max_seqlen_q, plan.page_size, batch) if total_q else None
-    keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    if sm90 is not None:
-        launch = _forward_launcher(q_packed, k_cache, dataclasses.replace(opts, features=sm90),
-                                   max_seqlen_q=max_seqlen_q, max_seqlen_k=min(max_seqlen_k, plan.cache_len),
-                                   page_size=plan.page_size)
-        launch(q_packed, k_cache, v_cache, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, keys, block_table)
-    elif total_q:
-        launch = _decode_launcher(q_packed, k_cache, opts, min(max_seqlen_k, plan.cache_len), 0, kvcache=False,
-                                  page_size=plan.page_size, varlen=(batch, max_seqlen_q))
-        launch(q_packed, k_cache, v_cache, out, lse, slopes, (keys, None, None, block_table),
-               cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
-    return out[0], lse[0]
+    launch = None
+    if total_q:
+        sm90 = sm90_paged_varlen(q, plan.heads_kv, opts, max_seqlen_q, plan.page_size, batch)
+        max_keys = min(max_seqlen_k, plan.cache_len)
+        if sm90 is not None:
+            launch = _forward_launcher(q.unsqueeze(0), k_cache, dataclasses.replace(opts, features=sm90),
+                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_keys, page_size=plan.page_size)
+        else:
+            decode = _decode_launcher(q.unsqueeze(0), k_cache, opts, max_keys, 0, kvcache=False,
+                                      page_size=plan.page_size, varlen=(batch, max_seqlen_q))
+
+            def launch(q, k_cache, v_cache, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, keys, block_table):
+                decode(q, k_cache, v_cache, out, lse, slopes, (keys, None, None, block_table),
+                       cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+
+    def run(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes):
+        q_packed = q.unsqueeze(0)  # (1, total_q, heads, d): the varlen kernels' view
+        out = torch.empty(q_packed.shape, dtype=q.dtype, device=device)
+        lse = torch.empty((1, heads, total_q), dtype=torch.float32, device=device)
+        if launch is not None:
+            keys = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+            launch(q_packed, k_cache, v_cache, out, lse, cu_seqlens_q, cu_seqlens_k,
+                   _alibi_slopes(alibi_slopes, batch, heads, device), keys, block_table)
+        return out[0], lse[0]
+
+    return run

@@ -344,6 +344,79 @@ def test_varlen_bad_inputs():
                                          seqused_k=used.float())
 
 
+def test_repeated_varlen_calls_skip_only_what_cannot_change(monkeypatch):
+    """varlen_forward's and flash_attn_varlen_func's fast paths (forward's rules, max_seqlen in the
+    signature): a repeated call reuses the launch; another max_seqlen, a misaligned pointer or a
+    bad option still meets the checks."""
+    from cute_attn import interface
+
+    launched = []
+    monkeypatch.setattr(interface, "_check_cuda", lambda name, t: None)
+    monkeypatch.setattr(interface, "_forward_launcher", lambda *a, **kw: lambda *args: launched.append(args))
+    monkeypatch.setattr(interface, "_VARLEN_LAUNCHES", {})
+    monkeypatch.setattr(interface, "_VARLEN_CALLS", {})
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+    def call(fn=cute_attn.varlen_forward, **overrides):
+        a = {**varlen_args(), **overrides}
+        return fn(*[a.pop(n) for n in names], causal=True, **a)
+
+    call()
+    out = call()  # new tensors, same signature: the stored launch
+    assert len(launched) == 2 and len(interface._VARLEN_LAUNCHES) == 1 and out.shape == (16, 4, 64)
+    call(max_seqlen_q=12)  # another max_seqlen (the grid's size): a launch of its own
+    assert len(launched) == 3 and len(interface._VARLEN_LAUNCHES) == 2
+    q = varlen_args()["q"]
+    shifted = torch.randn(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        call(q=shifted)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cute_attn.varlen_forward(*[varlen_args()[n] for n in names], causal=1)
+    assert len(launched) == 3
+    # flash_attn_varlen_func: its own checks run once per signature, a bad option still raises
+    with torch.no_grad():
+        call(cute_attn.flash_attn_varlen_func)
+        call(cute_attn.flash_attn_varlen_func)
+    assert len(interface._VARLEN_CALLS) == 1 and len(launched) == 5
+    with pytest.raises(NotImplementedError, match="dropout"):
+        call(cute_attn.flash_attn_varlen_func, dropout_p=0.1)
+
+
+def test_repeated_paged_varlen_calls_skip_only_what_cannot_change(monkeypatch):
+    """kvcache.varlen_paged's fast path: a repeated call reuses its run (the decode route here);
+    tensors that require grad under autograd still raise."""
+    from cute_attn import interface, kvcache
+
+    launched = []
+    monkeypatch.setattr(interface, "_check_cuda", lambda name, t: None)
+    monkeypatch.setattr(kvcache, "_check_cuda", lambda name, t: None)
+    monkeypatch.setattr(kvcache, "sm90_paged_varlen", lambda *a: None)
+    monkeypatch.setattr(interface, "_decode_launcher",
+                        lambda *a, **kw: lambda *args, **kws: launched.append((args, kws)))
+    monkeypatch.setattr(kvcache, "_PAGED_VARLEN_RUNS", {})
+    a = varlen_args()
+    pages = torch.randn(6, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.arange(6, dtype=torch.int32).view(3, 2)
+
+    def call(**overrides):
+        b = {**a, "k": pages, "v": pages, "block_table": table, **overrides}
+        return cute_attn.flash_attn_varlen_func(b.pop("q"), b.pop("k"), b.pop("v"), b.pop("cu_seqlens_q"),
+                                                b.pop("cu_seqlens_k"), b.pop("max_seqlen_q"), b.pop("max_seqlen_k"),
+                                                causal=True, **b)
+
+    with torch.no_grad():
+        out = call()
+        call(q=torch.randn_like(a["q"]))
+    assert out.shape == a["q"].shape and len(launched) == 2 and len(kvcache._PAGED_VARLEN_RUNS) == 1
+    (args, kws), _ = launched
+    assert args[6][3] is table and kws["cu_seqlens"] == (a["cu_seqlens_q"], a["cu_seqlens_k"])
+    with pytest.raises(NotImplementedError, match="no backward"):
+        call(q=a["q"].clone().requires_grad_())
+    with torch.no_grad(), pytest.raises(ValueError, match="block_table must have 2 dims"):
+        call(block_table=table.view(-1))
+    assert len(launched) == 2
+
+
 def test_varlen_backward_rejects_non_tensors():
     a = varlen_args()
     out, lse = torch.zeros_like(a["q"]), torch.zeros(4, a["q"].shape[0])
