@@ -392,16 +392,26 @@ def sm90_paged_varlen(q: torch.Tensor, heads_kv: int, opts, max_seqlen_q: int, p
     tile_m / 16 (no ALiBi: traits.sm90_packs_gqa) and the batch has short sequences: fewer
     queries than a tile's rows on average, or fewer than half the longest (measured: packed
     1.4-1.5x faster on a long chunk among 30-31 decode rows, 1.7x on 64-query chunks; 3% and 13%
-    slower on uniform chunks of 128 and 1024 queries)."""
+    slower on uniform chunks of 128 and 1024 queries). Packed, fewer rows on average still run
+    the SM90 forward when one sequence fills a tile (a chunk of prefill beside decode rows, as
+    vLLM's chunked prefill batches them) and the batch has a tile per SM at least (measured
+    against the decode kernel: 1.0-1.2x faster on every such batch tried, docs/performance.md)."""
     from cute_attn.traits import SM90_PAGED_MIN_QUERIES, sm90_packs_gqa
 
     group = q.shape[1] // heads_kv
     short = q.shape[0] < SM90_PAGED_MIN_QUERIES * batch or 2 * q.shape[0] < max_seqlen_q * batch
     pack = short and not opts.features.alibi and sm90_packs_gqa(q.shape[-1], opts.causal, group)
     rows = group if pack else 1  # tile rows per query
-    if max_seqlen_q * rows < SM90_PAGED_MIN_QUERIES or q.shape[0] * rows < SM90_PAGED_MIN_QUERIES * batch:
+    if max_seqlen_q * rows < SM90_PAGED_MIN_QUERIES:
         return None
     plan = dispatch.plan_for_device(q.device)
+    if q.shape[0] * rows < SM90_PAGED_MIN_QUERIES * batch:
+        # a chunk beside short sequences (decode rows): packed, when the batch's tiles (a tile or more
+        # per sequence, the chunk's rows over SM90_PAGED_MIN_QUERIES) fill the GPU (fewer: the decode
+        # kernel splits the long caches)
+        tiles = heads_kv * (batch - 1 + -(-max_seqlen_q * rows // SM90_PAGED_MIN_QUERIES))
+        if not pack or tiles < plan.num_sms:
+            return None
     features = dataclasses.replace(opts.features, varlen=True, seqused=True, paged=True, pack_gqa=pack)
     # which family runs depends on the features, head dim and GPU, not on the dtype
     key = compile_mod.forward_key(plan.target, "bf16", q.shape[-1], opts.causal, plan.smem_capacity,

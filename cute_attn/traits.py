@@ -245,7 +245,10 @@ SM90_PAGE_ROWS = 16
 # 237 / 522, 16 of 128 188 / 381, but 8 chunks of 64 over 8192 keys 226 / 263 (half of each tile
 # empty) and 2 chunks of 512 + 30 decode rows 457 / 275. Packed (a 128-row tile holds 32 queries
 # of each of the 4 heads): 8 chunks of 64 130 us, 2 of 512 + 30 decode rows 239; 64 decode rows
-# 378 against the decode kernel's 374 (4 rows per sequence: the decode kernel keeps them).
+# 378 against the decode kernel's 374 (4 rows per sequence: the decode kernel keeps them). Fewer
+# on average still run it packed where one sequence has this many rows and the batch's tiles fill
+# the GPU (a prefill chunk beside decode rows: 1.01-1.29x faster than the decode kernel on the 13
+# such batches measured, docs/performance.md).
 SM90_PAGED_MIN_QUERIES = 128
 
 

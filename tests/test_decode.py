@@ -164,6 +164,37 @@ def test_sm90_paged_varlen_keys(head_dim, causal):
                            page_size=64).kernel == "sm80", decode
 
 
+def test_paged_varlen_route(monkeypatch):
+    """kvcache.sm90_paged_varlen on an H100 (132 SMs; d128 causal, heads 32/8, 16-key pages): chunks
+    run the SM90 forward, packed where the batch has short sequences; a chunk beside decode rows
+    runs it packed when the batch's tiles fill the GPU; decode rows alone, speculative-decode rows
+    and few rows over long caches keep the decode kernel (which splits them)."""
+    import torch
+
+    from cute_attn import dispatch, interface, kvcache
+
+    h100 = dispatch.DevicePlan(kernel="sm90", target="sm_90a", smem_capacity=227 * 1024, num_sms=132)
+    monkeypatch.setattr(dispatch, "plan_for_device", lambda device: h100)
+    opts = interface._score_options(True, None, 128)
+
+    def route(lengths_q):
+        q = torch.empty(sum(lengths_q), 32, 128)
+        f = kvcache.sm90_paged_varlen(q, 8, opts, max(lengths_q), 16, len(lengths_q))
+        return None if f is None else "packed" if f.pack_gqa else "sm90"
+
+    assert route([1024] * 4) == "sm90" and route([128] * 16) == "sm90" and route([64] * 8) == "packed"
+    assert route([512, 512] + [1] * 30) == "packed" and route([4096] + [1] * 31) == "packed"
+    # a chunk beside decode rows, fewer rows than a tile's on average (measured faster packed)
+    assert route([512] + [1] * 63) == "packed" and route([64] + [1] * 63) == "packed"
+    assert route([128] + [1] * 500) == "packed" and route([2048] + [1] * 255) == "packed"
+    # the decode kernel: decode rows alone, 4-query rows, a chunk of 64 queries beside 3 rows (32 tiles)
+    assert route([1] * 64) is None and route([4] * 16) is None and route([64, 1, 1, 1]) is None
+    # ALiBi (no packing): the average rule alone
+    alibi = interface._score_options(True, None, 128, alibi=True)
+    q = torch.empty(575, 32, 128)
+    assert kvcache.sm90_paged_varlen(q, 8, alibi, 512, 16, 64) is None
+
+
 def test_paged_route_kernels_are_built_together():
     """A paged call's lengths pick the decode kernel or the SM90 forward, packed or not
     (kvcache.sm90_paged_varlen): on sm_90a the keys of either route are built beside the first one

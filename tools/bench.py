@@ -546,6 +546,8 @@ PAGED_VARLEN_CASES = (
     ("16 chunks of 128 queries", (128,) * 16, (1024, 4096) * 8),
     ("8 chunks of 64 queries over 8192 keys", (64,) * 8, (8192,) * 8),
     ("a chunk of 4096 queries + 31 decode rows", (4096,) + (1,) * 31, (4096,) * 32),
+    ("a chunk of 512 queries + 63 decode rows", (512,) + (1,) * 63, (4096,) * 64),
+    ("16 rows of 4 queries (speculative decoding)", (4,) * 16, (4096,) * 16),
 )
 
 
@@ -621,14 +623,18 @@ def paged_varlen_rows(args) -> list[dict]:
 
 
 def _sm90_always(fn):
-    """``fn()`` with the paged varlen call's SM90 threshold at 0 (the SM90 forward wherever it can run)."""
-    from cute_attn import traits
+    """``fn()`` with the paged varlen call's SM90 threshold at 0 (the SM90 forward wherever it can run).
+    The calls' fast path (kvcache._PAGED_VARLEN_RUNS) is emptied around it: the threshold is not
+    part of its signature, so a run stored under either rule would serve the other."""
+    from cute_attn import kvcache, traits
 
     saved, traits.SM90_PAGED_MIN_QUERIES = traits.SM90_PAGED_MIN_QUERIES, 0
+    kvcache._PAGED_VARLEN_RUNS.clear()
     try:
         return fn()
     finally:
         traits.SM90_PAGED_MIN_QUERIES = saved
+        kvcache._PAGED_VARLEN_RUNS.clear()
 
 
 def _under_sm80(fn):
