@@ -624,17 +624,21 @@ def paged_varlen_rows(args) -> list[dict]:
 
 def _sm90_always(fn):
     """``fn()`` with the paged varlen call's SM90 threshold at 0 (the SM90 forward wherever it can run).
-    The calls' fast path (kvcache._PAGED_VARLEN_RUNS) is emptied around it: the threshold is not
-    part of its signature, so a run stored under either rule would serve the other."""
+    Its calls keep a fast path of their own (kvcache._PAGED_VARLEN_RUNS swapped): the threshold is
+    not part of the signature, so a run stored under either rule would serve the other, and
+    emptying the store instead would time every forced call's checks."""
     from cute_attn import kvcache, traits
 
     saved, traits.SM90_PAGED_MIN_QUERIES = traits.SM90_PAGED_MIN_QUERIES, 0
-    kvcache._PAGED_VARLEN_RUNS.clear()
+    runs, kvcache._PAGED_VARLEN_RUNS = kvcache._PAGED_VARLEN_RUNS, _SM90_ALWAYS_RUNS
     try:
         return fn()
     finally:
         traits.SM90_PAGED_MIN_QUERIES = saved
-        kvcache._PAGED_VARLEN_RUNS.clear()
+        kvcache._PAGED_VARLEN_RUNS = runs
+
+
+_SM90_ALWAYS_RUNS: dict = {}  # _sm90_always's calls' fast path
 
 
 def _under_sm80(fn):
