@@ -395,7 +395,7 @@ def sm90_paged_varlen(q: torch.Tensor, heads_kv: int, opts, max_seqlen_q: int, p
     slower on uniform chunks of 128 and 1024 queries). Packed, fewer rows on average still run
     the SM90 forward when one sequence fills a tile (a chunk of prefill beside decode rows, as
     vLLM's chunked prefill batches them) and the batch has a tile per SM at least (measured
-    against the decode kernel: 1.0-1.2x faster on every such batch tried, docs/performance.md)."""
+    against the decode kernel: 1.01-1.29x faster on the 13 such batches tried, docs/performance.md)."""
     from cute_attn.traits import SM90_PAGED_MIN_QUERIES, sm90_packs_gqa
 
     group = q.shape[1] // heads_kv
