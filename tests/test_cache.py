@@ -304,7 +304,10 @@ def test_builds_pause_the_garbage_collector():
         count = gc.get_freeze_count()
         assert count > 0
         KernelCache(build, None).get("after-freeze")
-        assert gc.get_freeze_count() == count
+        # not unfrozen (the count would fall to 0) nor frozen further (it would grow by the young
+        # objects); frozen objects another thread drops meanwhile (an earlier test's background
+        # build) leave it a little lower: 581207 -> 581190 once in CI
+        assert count // 2 < gc.get_freeze_count() <= count
     finally:
         gc.unfreeze()
     del frozen
