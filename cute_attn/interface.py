@@ -1129,7 +1129,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
 
         out, lse = kvcache.varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                                         seqused_k, softmax_scale=softmax_scale, causal=causal,
-                                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                        call_signature=signature)
         return _returned(out, lse, return_attn_probs, return_lse)
     if torch.compiler.is_compiling():
         from cute_attn.integrations import custom_ops as ops

@@ -469,7 +469,7 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, block_table,
                  seqused_k=None, softmax_scale=None, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
-                 alibi_slopes=None):
+                 alibi_slopes=None, *, call_signature=None):
     """``flash_attn_varlen_func`` over a paged cache (FlashAttention-2's ``block_table``): returns
     out (total_q, heads, d) and lse (heads, total_q). The KV-cache kernel with packed queries
     (the varlen feature: sequence b's queries are rows cu_seqlens_q[b]: of q) over the first
@@ -479,13 +479,17 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     page piece, packed GQA; ``sm90_paged_varlen``). No host
     synchronisation. Inference only: q, k or v that require grad raise NotImplementedError.
     A call like an earlier valid one (the same tensor types, dtypes, devices, shapes and strides,
-    options and max_seqlen) skips the checks and the kernel choice (``_PAGED_VARLEN_RUNS``)."""
+    options and max_seqlen) skips the checks and the kernel choice (``_PAGED_VARLEN_RUNS``), keyed
+    by ``call_signature`` where the caller has one (flash_attn_varlen_func's, which holds all of
+    these): one signature per call instead of two."""
     from cute_attn.interface import _aligned, _remember, _signature
 
-    tensors = tuple(t for t in (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes)
-                    if t is not None)
-    signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, seqused_k is None, alibi_slopes is None,
-                                     softmax_scale, causal, window_size, softcap))
+    signature = call_signature
+    if signature is None:
+        tensors = tuple(t for t in (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
+                                    alibi_slopes) if t is not None)
+        signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, seqused_k is None, alibi_slopes is None,
+                                         softmax_scale, causal, window_size, softcap))
     run = _PAGED_VARLEN_RUNS.get(signature)
     if (run is None or not _aligned((q, k_cache, v_cache))
             or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad))):
