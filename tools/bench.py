@@ -554,7 +554,8 @@ PAGED_VARLEN_CASES = (
 def paged_varlen_rows(args) -> list[dict]:
     """``--paged-varlen``: cute_attn's paged varlen call and FA4's on the same packed queries and
     shuffled page pool, each checked against the other first; median microseconds per call over
-    --rounds shuffled rounds of do_bench. On Hopper also cute_attn's decode kernel alone (under
+    --rounds shuffled rounds of ``_gpu_ms`` (a sleep kernel queued before each timed call, as the
+    decode rows: a call shorter than its host time would otherwise time the host). On Hopper also cute_attn's decode kernel alone (under
     force_arch("sm80")) and its SM90 forward alone (the rule's row threshold set to 0), beside the
     kernel the rule picks (kvcache.sm90_paged_varlen)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -606,7 +607,7 @@ def paged_varlen_rows(args) -> list[dict]:
                 order = list(impls)
                 random.shuffle(order)
                 for n in order:
-                    times[n].append(_time_ms(impls[n], 100) * 1e3)
+                    times[n].append(_gpu_ms(impls[n], 100) * 1e3)
         from cute_attn import kvcache
 
         opts = cute_attn.interface._score_options(True, None, d)
