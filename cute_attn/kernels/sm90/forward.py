@@ -563,7 +563,6 @@ class FlashAttentionForwardSm90:
         read a lane per batch); Q block fastest: tile_scheduler.pair_holes_end. Called by a whole
         warp (convergent)."""
         num_m_blocks, heads, batches = self._tile_grid(mQ, mCuSeqlensQ, max_seqlen_q, group)
-        end = tile + 1
         if const_expr(self.causal):
             first, last = tile_scheduler.section_batches(tile, num_m_blocks, heads, batches, heads_per_section)
             longest = Int32(0)
