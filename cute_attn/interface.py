@@ -1143,3 +1143,146 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                                              softmax_scale, deterministic, tuple(window_size), softcap, alibi_slopes,
                                              seqused_k)
     return _returned(out, lse, return_attn_probs, return_lse)
+
+
+# ---------------------------------------------------------------------------- packed q/k/v
+def _unpack(name: str, packed, parts: int, varlen: bool) -> tuple:
+    """The views of FlashAttention-2's packed ``qkv`` (parts 3) or ``kv`` (parts 2): (batch,
+    seqlen, parts, heads, head_dim), varlen (total, parts, heads, head_dim)."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    rows = "total" if varlen else "batch, seqlen"
+    if packed.dim() != (4 if varlen else 5) or packed.shape[-3] != parts:
+        raise ValueError(f"{name} must have shape ({rows}, {parts}, heads, head_dim), got {tuple(packed.shape)}")
+    return packed.unbind(-3)
+
+
+def _packed_autograd(q, packed: torch.Tensor) -> bool:
+    """Whether a packed call runs ``PackedFlashAttnFunc``: eager, with gradients to compute.
+    Otherwise it is the unpacked call on views (under torch.compile the custom ops, whose
+    gradients the compiled graph gathers into the packed tensor itself)."""
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and (packed.requires_grad or (q is not None and q.requires_grad)))
+
+
+def _packed_gradient(packed: torch.Tensor) -> torch.Tensor:
+    """The packed tensor's gradient buffer, which the backward fills through views (a hook for
+    the GPU tests, which poison it)."""
+    return torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+
+
+class PackedFlashAttnFunc(torch.autograd.Function):
+    """Autograd for FlashAttention-2's packed entry points: q, k, v are views of ``qkv`` (``q``
+    None) or of ``q`` and ``kv``, and the backward writes dq, dk, dv straight into views of one
+    gradient buffer per packed tensor, so no gradient is copied or summed into place (autograd of
+    the views would allocate a zero buffer per view and add them)."""
+
+    @staticmethod
+    def forward(ctx, q, packed, cu_seqlens_q, cu_seqlens_k, lengths, options, deterministic):
+        q_, k, v = (q, *packed.unbind(-3)) if q is not None else packed.unbind(-3)
+        varlen = cu_seqlens_q is not None
+        _prefetch_backward(q_, options["causal"], options["softmax_scale"], deterministic, options["window_size"],
+                           options["softcap"], options["alibi_slopes"], varlen=varlen)
+        if varlen:
+            out, lse = varlen_forward(q_, k, v, cu_seqlens_q, cu_seqlens_k, *lengths, return_lse=True, **options)
+        else:
+            out, lse = forward(q_, k, v, return_lse=True, **options)
+        ctx.save_for_backward(q, packed, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.lengths, ctx.options, ctx.deterministic = lengths, options, deterministic
+        ctx.arch = dispatch.forced_kernel()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, packed, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dpacked = _packed_gradient(packed)
+        if q is None:
+            (q, k, v), (dq, dk, dv) = packed.unbind(-3), dpacked.unbind(-3)
+        else:
+            (k, v), (dk, dv) = packed.unbind(-3), dpacked.unbind(-3)
+            dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        grads = dict(dq=dq, dk=dk, dv=dv, deterministic=ctx.deterministic, **ctx.options)
+        with dispatch.force_arch(ctx.arch):
+            if cu_seqlens_q is not None:
+                varlen_backward(_grad_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths,
+                                **grads)
+            else:
+                backward(_grad_ready(dout), q, k, v, out, lse, **grads)
+        needs = ctx.needs_input_grad
+        return (dq if needs[0] else None, dpacked if needs[1] else None) + (None,) * 5
+
+
+def _packed_call(q, packed, views, cu_seqlens_q, cu_seqlens_k, lengths, dropout_p, softmax_scale, causal,
+                 window_size, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse):
+    """The packed functions' autograd call, after the checks ``flash_attn_func`` /
+    ``flash_attn_varlen_func`` would run on the views."""
+    if cu_seqlens_q is None:
+        for name, t in zip(("q", "k", "v"), views):
+            _check_kind(name, t)
+    else:
+        _check_varlen(*views, cu_seqlens_q, cu_seqlens_k, *lengths)
+    _check_fa2_options(dropout_p, return_attn_probs, deterministic)
+    _score_options(causal, softmax_scale, views[0].shape[-1], window_size, softcap)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=tuple(window_size), softcap=softcap,
+                   alibi_slopes=alibi_slopes)
+    out, lse = PackedFlashAttnFunc.apply(q, packed, cu_seqlens_q, cu_seqlens_k, lengths, options, deterministic)
+    return _returned(out, lse, return_attn_probs, return_lse)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                              deterministic: bool = False, return_attn_probs: bool = False, *,
+                              return_lse: bool = False):
+    """``flash_attn_func`` on q, k, v stacked in one tensor, FlashAttention-2's signature: qkv
+    (batch, seqlen, 3, heads, head_dim). The backward writes dq, dk, dv into one gradient of qkv
+    (no concatenation). Returns out (batch, seqlen, heads, head_dim), as ``flash_attn_func``."""
+    views = _unpack("qkv", qkv, 3, varlen=False)
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    if not _packed_autograd(None, qkv):
+        return flash_attn_func(*views, *args, return_lse=return_lse)
+    return _packed_call(None, qkv, views, None, None, None, *args, return_lse)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                             window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                             return_attn_probs: bool = False, *, return_lse: bool = False):
+    """``flash_attn_func`` with k, v stacked in one tensor, FlashAttention-2's signature: q (batch,
+    seqlen_q, heads, head_dim), kv (batch, seqlen_k, 2, heads_kv, head_dim) (GQA/MQA as there).
+    The backward writes dk, dv into one gradient of kv."""
+    views = (q, *_unpack("kv", kv, 2, varlen=False))
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    if not isinstance(q, torch.Tensor) or not _packed_autograd(q, kv):
+        return flash_attn_func(*views, *args, return_lse=return_lse)
+    return _packed_call(q, kv, views, None, None, None, *args, return_lse)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen: int, dropout_p: float = 0.0,
+                                     softmax_scale: float | None = None, causal: bool = False, window_size=(-1, -1),
+                                     softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                                     return_attn_probs: bool = False, *, return_lse: bool = False):
+    """``flash_attn_varlen_func`` on q, k, v stacked in one tensor, FlashAttention-2's signature:
+    qkv (total, 3, heads, head_dim), one cu_seqlens and max_seqlen for queries and keys. The
+    backward writes dq, dk, dv into one gradient of qkv."""
+    views = _unpack("qkv", qkv, 3, varlen=True)
+    lengths = (max_seqlen, max_seqlen)
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    if not _packed_autograd(None, qkv):
+        return flash_attn_varlen_func(*views, cu_seqlens, cu_seqlens, *lengths, *args, return_lse=return_lse)
+    return _packed_call(None, qkv, views, cu_seqlens, cu_seqlens, lengths, *args, return_lse)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                                    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                                    window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                                    deterministic: bool = False, return_attn_probs: bool = False, *,
+                                    return_lse: bool = False):
+    """``flash_attn_varlen_func`` with k, v stacked in one tensor, FlashAttention-2's signature: q
+    (total_q, heads, head_dim), kv (total_k, 2, heads_kv, head_dim). The backward writes dk, dv
+    into one gradient of kv."""
+    views = (q, *_unpack("kv", kv, 2, varlen=True))
+    lengths = (max_seqlen_q, max_seqlen_k)
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    if not isinstance(q, torch.Tensor) or not _packed_autograd(q, kv):
+        return flash_attn_varlen_func(*views, cu_seqlens_q, cu_seqlens_k, *lengths, *args, return_lse=return_lse)
+    return _packed_call(q, kv, views, cu_seqlens_q, cu_seqlens_k, lengths, *args, return_lse)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import cute_attn
-from helpers import alibi, check_close, check_dense, check_varlen, random_qkv
+from cute_attn.reference import attention_reference
+from helpers import alibi, check_close, check_dense, check_varlen, poisoned_like, random_qkv
 from helpers import arch  # noqa: F401  (autouse: every test under both kernel families)
 
 pytestmark = pytest.mark.gpu
@@ -283,6 +284,84 @@ def test_flash_attn_varlen_func_autograd_and_fa2_positional_order():
     assert math.isfinite(out.float().abs().sum().item())
 
 
+# ---------------------------------------------------------------------------- packed q/k/v
+PACKED_CASES = [  # (head dims, causal, dtype)
+    ((64, 128, 256), True, torch.bfloat16),
+    ((64, 128), False, torch.float16),
+]
+
+
+def _check_packed(case, out, q_in, packed_in, dim, unpacked):
+    """Backward of a packed call's ``out``; the output and the gradients (q_in's, then the packed
+    tensor's parts) equal bitwise what ``unpacked(views, dout)`` -> (out, (dq, dk, dv)) gives on
+    the same views. Returns the views (q, k, v)."""
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    views = packed_in.detach().unbind(dim)
+    views = views if q_in is None else (q_in.detach(), *views)
+    want_out, want_grads = unpacked(views, dout)
+    assert torch.equal(out.detach(), want_out), case
+    got = (() if q_in is None else (q_in.grad,)) + packed_in.grad.unbind(dim)
+    for g, want, name in zip(got, want_grads, ("dq", "dk", "dv")):
+        assert torch.equal(g, want), f"{case}: {name}"
+    return views
+
+
+@pytest.mark.parametrize("head_dims,causal,dtype", PACKED_CASES, ids=["causal-bf16", "fp16"])
+def test_fa2_packed_functions(head_dims, causal, dtype, monkeypatch):
+    """flash_attn_qkvpacked_func, flash_attn_kvpacked_func (GQA, seqlen_q != seqlen_k) and their
+    varlen forms (lengths 0, 1, 17, 127, 129, 1000): the output, and the gradients the backward
+    writes into views of one packed buffer (poisoned before it runs), equal bitwise the unpacked
+    deterministic calls on the same views writing separate buffers (which the tests above hold to
+    the fp32 reference); the output is held to the reference here too."""
+    from cute_attn import interface
+
+    monkeypatch.setattr(interface, "_packed_gradient", lambda t: poisoned_like(t))
+
+    def dense(views, dout):
+        out, lse = cute_attn.forward(*views, causal=causal, return_lse=True)
+        return out, cute_attn.backward(dout, *views, out, lse, causal=causal, deterministic=True)
+
+    def check_out(out, views, case):
+        ref, _ = attention_reference(*views, causal)
+        same, _ = attention_reference(*views, causal, compute_dtype=dtype)
+        check_close("out", out.detach(), ref, same, 1e-4, case)
+
+    for d in head_dims:
+        for seqlen_q, seqlen_k in [(1, 1), (17, 113), (129, 1000), (1000, 1000)]:
+            case = f"d={d} sq={seqlen_q} sk={seqlen_k} causal={causal}"
+            qkv = torch.stack(random_qkv(2, seqlen_q, seqlen_q, 4, 4, d, dtype), dim=2).requires_grad_()
+            out = cute_attn.flash_attn_qkvpacked_func(qkv, 0.0, None, causal, deterministic=True)
+            check_out(out, _check_packed(f"qkvpacked {case}", out, None, qkv, 2, dense), f"qkvpacked {case}")
+            q, k, v = random_qkv(2, seqlen_q, seqlen_k, 6, 2, d, dtype)
+            q, kv = q.requires_grad_(), torch.stack((k, v), dim=2).requires_grad_()
+            out = cute_attn.flash_attn_kvpacked_func(q, kv, 0.0, None, causal, deterministic=True)
+            check_out(out, _check_packed(f"kvpacked {case}", out, q, kv, 2, dense), f"kvpacked {case}")
+
+        # varlen: empty, single-token and odd sequences in one batch
+        lengths = [0, 1, 17, 127, 129, 1000]
+        q, k, v, cu, _ = packed(lengths, lengths, 4, 4, d, dtype)
+        qkv = torch.stack((q, k, v), dim=1).requires_grad_()
+        out = cute_attn.flash_attn_varlen_qkvpacked_func(qkv, cu, 1000, 0.0, None, causal, deterministic=True)
+        q, k, v, cu_q, cu_k = packed(LENGTHS_Q, LENGTHS_K, 6, 2, d, dtype)
+        q, kv = q.requires_grad_(), torch.stack((k, v), dim=1).requires_grad_()
+        out_kv = cute_attn.flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, 1000, 1000, 0.0, None, causal,
+                                                           deterministic=True)
+        for name, o, q_in, packed_in, cq, ck in [("varlen qkvpacked", out, None, qkv, cu, cu),
+                                                 ("varlen kvpacked", out_kv, q, kv, cu_q, cu_k)]:
+            def varlen(views, dout, cq=cq, ck=ck):
+                out, lse = cute_attn.varlen_forward(*views, cq, ck, 1000, 1000, causal=causal, return_lse=True)
+                return out, cute_attn.varlen_backward(dout, *views, out, lse, cq, ck, 1000, 1000, causal=causal,
+                                                      deterministic=True)
+
+            case = f"{name} d={d} causal={causal}"
+            views = _check_packed(case, o, q_in, packed_in, 1, varlen)
+            bounds = zip(cq.tolist(), cq.tolist()[1:], ck.tolist(), ck.tolist()[1:])
+            for b, (q0, q1, k0, k1) in enumerate(bounds):
+                seq = (views[0][None, q0:q1], views[1][None, k0:k1], views[2][None, k0:k1])
+                check_out(o[None, q0:q1], seq, f"{case} seq {b}")
+
+
 def feature_keys(smem_capacity: int = 227 * 1024) -> list:
     """The kernels this file compiles on an H100 with either kernel family (both run as target
     sm_90a there), SM90 forward length tiers included: for building the cache ahead of time."""
@@ -308,6 +387,11 @@ def feature_keys(smem_capacity: int = 227 * 1024) -> list:
     configs += seqused_all + [(F(varlen=True, seqused=True), True, 64, "bf16")]
     deterministic = {(F(local=True, softcap=True), False, 128, "bf16"),
                      (F(local=True, softcap=True, alibi=True, varlen=True), False, 128, "bf16"), *seqused_all}
+    # the packed functions (deterministic, dense and varlen)
+    packed_configs = [(f, causal, d, "bf16" if causal else "fp16") for head_dims, causal, _ in PACKED_CASES
+                      for d in head_dims for f in (F(), F(varlen=True))]
+    configs += packed_configs
+    deterministic |= set(packed_configs)
     keys: dict = {}
     for kernel in ("sm80", "sm90"):
         for features, causal, d, dtype in configs:

@@ -106,6 +106,36 @@ def test_compile_fullgraph_varlen_with_options():
     assert len(graphs) == 1 and graphs[0].code.count("torch.ops.cute_attn.fwd_varlen.default") == 1
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_compile_fullgraph_packed_functions(varlen):
+    """The packed FlashAttention-2 entry points trace as the unpacked op on views of the packed
+    tensors (one op per call, no graph break), with gradients required."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32)
+
+    def attention(qkv, q, kv):
+        if varlen:
+            return (cute_attn.flash_attn_varlen_qkvpacked_func(qkv, cu, 60, causal=True)
+                    + cute_attn.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 60, 60, 0.0, 0.5))
+        return cute_attn.flash_attn_qkvpacked_func(qkv, causal=True) + cute_attn.flash_attn_kvpacked_func(q, kv)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend=backend, fullgraph=True)
+    rows = (100,) if varlen else (2, 100)
+    qkv = torch.randn(*rows, 3, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(*rows, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(*rows, 2, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        compiled(qkv, q, kv)
+    op = "torch.ops.cute_attn.fwd_varlen.default" if varlen else "torch.ops.cute_attn.fwd.default"
+    assert len(graphs) == 1 and graphs[0].code.count(op) == 2
+
+
 def test_compile_fullgraph_kvcache():
     """flash_attn_with_kvcache traces as one op that mutates the caches (no graph break)."""
     graphs = []

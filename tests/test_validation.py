@@ -515,3 +515,105 @@ def test_one_bad_argument_raises_value_or_type_error(seed):
         except (ValueError, TypeError, NotImplementedError):
             continue
         raise AssertionError(f"{name}({arg}={args[arg]!r}) did not raise ValueError/TypeError")
+
+
+# ---------------------------------------------------------------------------- packed q/k/v (FA2)
+FA2_OPTIONS = ["dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+               "return_attn_probs"]
+
+
+@pytest.mark.parametrize("name,leading", [
+    ("flash_attn_qkvpacked_func", ["qkv"]),
+    ("flash_attn_kvpacked_func", ["q", "kv"]),
+    ("flash_attn_varlen_qkvpacked_func", ["qkv", "cu_seqlens", "max_seqlen"]),
+    ("flash_attn_varlen_kvpacked_func", ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]),
+])
+def test_packed_functions_take_fa2s_positional_order(name, leading):
+    """FlashAttention-2's packed entry points, its parameters in its order with its defaults, so
+    code calling them positionally switches by import."""
+    import inspect
+
+    params = inspect.signature(getattr(cute_attn, name)).parameters
+    positional = [p for p, v in params.items() if v.kind == v.POSITIONAL_OR_KEYWORD]
+    assert positional == leading + FA2_OPTIONS
+    defaults = {p: params[p].default for p in FA2_OPTIONS}
+    assert defaults == dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            alibi_slopes=None, deterministic=False, return_attn_probs=False)
+
+
+def test_packed_functions_bad_input():
+    q, k, v = qkv()
+    packed = torch.stack((q, k, v), dim=2)
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor"):
+        cute_attn.flash_attn_qkvpacked_func([q, k, v])
+    with pytest.raises(ValueError, match=r"qkv must have shape \(batch, seqlen, 3, heads, head_dim\)"):
+        cute_attn.flash_attn_qkvpacked_func(packed[:, :, :2])
+    with pytest.raises(ValueError, match=r"kv must have shape \(batch, seqlen, 2, heads, head_dim\)"):
+        cute_attn.flash_attn_kvpacked_func(q, packed)
+    with pytest.raises(ValueError, match=r"qkv must have shape \(total, 3, heads, head_dim\)"):
+        cute_attn.flash_attn_varlen_qkvpacked_func(packed, torch.zeros(3, dtype=torch.int32), 16)
+    with pytest.raises(NotImplementedError, match="dropout_p must be 0.0"):
+        cute_attn.flash_attn_qkvpacked_func(packed.requires_grad_(), 0.1)
+    a = varlen_args(heads_kv=4)
+    kv = torch.stack((a["k"], a["v"]), dim=1).requires_grad_()
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
+        cute_attn.flash_attn_varlen_kvpacked_func(a["q"], kv, a["cu_seqlens_q"], a["cu_seqlens_k"].long(), 11, 11)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):  # valid: only the device check is left
+        cute_attn.flash_attn_varlen_kvpacked_func(a["q"], kv, a["cu_seqlens_q"], a["cu_seqlens_k"], 11, 11, causal=True)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("kv_only", [False, True])
+def test_packed_backward_writes_one_gradient_buffer(varlen, kv_only, monkeypatch):
+    """The packed functions' autograd hands the kernels q, k, v as views of the packed tensors and
+    dq, dk, dv as views of one packed gradient (the kernels stubbed: the backward's launch writes
+    1, 2, 3 into dq, dk, dv), and arguments reach the kernels as the unpacked call's do."""
+    from cute_attn import interface
+
+    forwards, backwards = [], []
+
+    def fake_backward(dout, q, k, v, out, lse, dq, dk, dv, *rest):
+        # pointers only: a gradient view kept alive would make autograd copy the packed gradient
+        backwards.append(tuple(t.data_ptr() for t in (q, k, v, dq, dk, dv)) + rest)
+        dq.fill_(1), dk.fill_(2), dv.fill_(3)
+
+    monkeypatch.setattr(interface, "_check_cuda", lambda name, t: None)
+    monkeypatch.setattr(interface, "_forward_launcher", lambda *a, **kw: lambda *args: forwards.append(args))
+    monkeypatch.setattr(interface, "_backward_launcher", lambda *a, **kw: fake_backward)
+    for store in ("_FORWARD_LAUNCHES", "_VARLEN_LAUNCHES", "_VARLEN_CALLS", "_BACKWARD_LAUNCHES"):
+        monkeypatch.setattr(interface, store, {})
+    if varlen:
+        a = varlen_args(heads_kv=4)
+        q, k, v, cu = a["q"], a["k"], a["v"], (a["cu_seqlens_q"], a["cu_seqlens_k"])
+        if not kv_only:
+            cu = (a["cu_seqlens_k"],) * 2
+            q = torch.randn_like(k)
+    else:
+        q, k, v = qkv(seqlen_k=16)
+    dim = 1 if varlen else 2
+    packed = torch.stack((k, v) if kv_only else (q, k, v), dim=dim).requires_grad_()
+    q = q.requires_grad_() if kv_only else None
+    if varlen and kv_only:
+        out = cute_attn.flash_attn_varlen_kvpacked_func(q, packed, *cu, 11, 11, causal=True)
+    elif varlen:
+        out = cute_attn.flash_attn_varlen_qkvpacked_func(packed, cu[0], 11, 0.0, 0.5, True)
+    elif kv_only:
+        out = cute_attn.flash_attn_kvpacked_func(q, packed, causal=True)
+    else:
+        out = cute_attn.flash_attn_qkvpacked_func(packed, 0.0, 0.5, True)
+    out.sum().backward()
+    (fq, fk, fv, *_), (bq, bk, bv, dq, dk, dv, *rest) = forwards[0], backwards[0]
+    views = packed.detach().unbind(dim)
+    for got, want in zip((fk, fv), views[-2:]):  # k, v: views of the packed tensor (varlen: unsqueezed)
+        assert got.data_ptr() == want.data_ptr() and got.stride()[-3:] == want.stride()[-3:]
+    assert (bk, bv) == (fk.data_ptr(), fv.data_ptr())
+    grads = packed.grad.unbind(dim)  # the buffer the kernels wrote, not a copy of it
+    assert (dk, dv) == (grads[-2].data_ptr(), grads[-1].data_ptr())
+    assert (grads[-2] == 2).all() and (grads[-1] == 3).all()
+    if kv_only:
+        assert (q.grad == 1).all() and dq == q.grad.data_ptr()
+    else:
+        assert dq == grads[0].data_ptr() and (grads[0] == 1).all()
+        assert fq.data_ptr() == views[0].data_ptr() == bq
+    if varlen:
+        assert rest[0] is cu[0] and rest[1] is cu[1]
