@@ -379,7 +379,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_s
 # launches of validated argument signatures (``forward``'s fast path); cleared when full
 _FORWARD_LAUNCHES: dict = {}
 _VARLEN_LAUNCHES: dict = {}  # as _FORWARD_LAUNCHES, for ``varlen_forward``
-_VARLEN_CALLS: dict = {}  # ``flash_attn_varlen_func``'s checked signatures
+_VARLEN_CALLS: dict = {}  # ``flash_attn_varlen_func``'s checked layouts (``_varlen_layout``)
 _MAX_LAUNCHES = 4096
 
 
@@ -395,6 +395,44 @@ def _signature(tensors, options) -> tuple | None:
         return signature
     except (AttributeError, TypeError):
         return None
+
+
+def _varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
+                   alibi_slopes, options) -> tuple | None:
+    """A varlen call's signature without its lengths: what its checks depend on apart from the
+    batch size, the totals and max_seqlen, which a serving loop changes every step (the tensors'
+    types, dtypes, devices and ranks, q's, k's and v's other dims and strides, the options). The
+    checks that involve those lengths hold for this call (``_varlen_lengths_agree``), else None
+    (as for arguments that cannot be a key): the caller then runs every check, which reports."""
+    try:
+        if not _varlen_lengths_agree(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                     block_table, alibi_slopes):
+            return None
+        layout = (tuple((t.__class__, t.dtype, t.device, t.shape[1:], t.stride()) for t in (q, k, v))
+                  + tuple(None if t is None else (t.__class__, t.dtype, t.device, t.dim())
+                          for t in (cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes))
+                  + tuple((o.__class__, o) for o in options) + (dispatch.requested_kernel(),))
+        hash(layout)
+        return layout
+    except (AttributeError, TypeError, IndexError):
+        return None
+
+
+def _varlen_lengths_agree(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
+                          alibi_slopes) -> bool:
+    """The checks of a varlen call (paged or not) that involve its batch size, totals or
+    max_seqlen, for a call whose layout passed every other check: max_seqlen non-negative ints,
+    one batch size for cu_seqlens, seqused_k, the block table and per-sequence ALiBi slopes, k and
+    v of one length, the last dims of the int32 tensors contiguous, 16-byte aligned pointers."""
+    batch = cu_seqlens_q.shape[0] - 1
+    return (type(max_seqlen_q) is int and type(max_seqlen_k) is int and max_seqlen_q >= 0 and max_seqlen_k >= 0
+            and batch >= 0 and cu_seqlens_k.shape == cu_seqlens_q.shape and k.shape[0] == v.shape[0]
+            and (batch == 0 or cu_seqlens_q.stride(0) == 1 and cu_seqlens_k.stride(0) == 1)
+            and (seqused_k is None or seqused_k.shape == (batch,) and (batch <= 1 or seqused_k.stride(0) == 1))
+            and (block_table is None
+                 or block_table.shape[0] == batch and (block_table.shape[1] <= 1 or block_table.stride(1) == 1))
+            and (alibi_slopes is None or tuple(alibi_slopes.shape) in ((q.shape[1],), (batch, q.shape[1])))
+            and _aligned((q, k, v)))
 
 
 def _remember(launches: dict, signature, launch) -> None:
@@ -1098,16 +1136,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     block_table[b] (int32 (batch, max_pages)) lists. Inference only: no autograd (q, k or v that
     require grad raise NotImplementedError); runs the KV-cache decode kernel with packed queries
     (``kvcache.varlen_paged``)."""
-    # a call like an earlier valid one skips these checks (as ``forward``'s fast path; not while
-    # torch.compile traces the call, which runs them once)
-    signature = None
+    # a call of a layout an earlier valid one had skips these checks but for its lengths' (a
+    # serving loop's steps differ in batch, totals and max_seqlen only; not while torch.compile
+    # traces the call, which runs them once)
+    layout = None
     if not torch.compiler.is_compiling():
-        tensors = tuple(t for t in (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes)
-                        if t is not None)
-        signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, seqused_k is None, block_table is None,
-                                         alibi_slopes is None, dropout_p, softmax_scale, causal, window_size, softcap,
-                                         deterministic, return_attn_probs))
-    if signature is None or signature not in _VARLEN_CALLS:
+        layout = _varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
+                                alibi_slopes, (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                                               return_attn_probs))
+    if layout is None or layout not in _VARLEN_CALLS:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -1116,7 +1153,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                               paged=block_table is not None)
         _check_seqused_k(seqused_k, batch, q)
         _score_options(causal, softmax_scale, q.shape[2], window_size, softcap)
-        _remember(_VARLEN_CALLS, signature, True)
+        _remember(_VARLEN_CALLS, layout, True)
     if block_table is not None and torch.compiler.is_compiling():  # the custom op (integrations/custom_ops.py)
         from cute_attn.integrations import custom_ops as ops
 
@@ -1130,7 +1167,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
         out, lse = kvcache.varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                                         seqused_k, softmax_scale=softmax_scale, causal=causal,
                                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                        call_signature=signature)
+                                        call_layout=layout)
         return _returned(out, lse, return_attn_probs, return_lse)
     if torch.compiler.is_compiling():
         from cute_attn.integrations import custom_ops as ops

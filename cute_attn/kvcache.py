@@ -469,7 +469,7 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, block_table,
                  seqused_k=None, softmax_scale=None, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
-                 alibi_slopes=None, *, call_signature=None):
+                 alibi_slopes=None, *, call_layout=None):
     """``flash_attn_varlen_func`` over a paged cache (FlashAttention-2's ``block_table``): returns
     out (total_q, heads, d) and lse (heads, total_q). The KV-cache kernel with packed queries
     (the varlen feature: sequence b's queries are rows cu_seqlens_q[b]: of q) over the first
@@ -478,65 +478,84 @@ def varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     multiple of traits.SM90_PAGE_ROWS keys run the SM90 forward instead (wgmma, a TMA load per
     page piece, packed GQA; ``sm90_paged_varlen``). No host
     synchronisation. Inference only: q, k or v that require grad raise NotImplementedError.
-    A call like an earlier valid one (the same tensor types, dtypes, devices, shapes and strides,
-    options and max_seqlen) skips the checks and the kernel choice (``_PAGED_VARLEN_RUNS``), keyed
-    by ``call_signature`` where the caller has one (flash_attn_varlen_func's, which holds all of
-    these): one signature per call instead of two."""
-    from cute_attn.interface import _aligned, _remember, _signature
 
-    signature = call_signature
-    if signature is None:
-        tensors = tuple(t for t in (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k,
-                                    alibi_slopes) if t is not None)
-        signature = _signature(tensors, (max_seqlen_q, max_seqlen_k, seqused_k is None, alibi_slopes is None,
-                                         softmax_scale, causal, window_size, softcap))
-    run = _PAGED_VARLEN_RUNS.get(signature)
-    if (run is None or not _aligned((q, k_cache, v_cache))
-            or (torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad))):
-        run = _varlen_paged_run(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                block_table, seqused_k, softmax_scale, causal, window_size, softcap, alibi_slopes)
-        _remember(_PAGED_VARLEN_RUNS, signature, run)
+    Host time: a serving loop changes the batch, the totals and max_seqlen every step, so the
+    checks run once per layout (``interface._varlen_layout``: the call without those; its
+    lengths' own checks per call, ``_PAGED_VARLEN_LAYOUTS``), and the kernel choice once per
+    layout and lengths (``_PAGED_VARLEN_RUNS``). ``call_layout``: the caller's layout of this call
+    (flash_attn_varlen_func's, which holds all of this one's), or None to compute it."""
+    from cute_attn.interface import _remember, _varlen_layout
+
+    layout = call_layout
+    if layout is None:
+        layout = _varlen_layout(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                block_table, alibi_slopes, (softmax_scale, causal, window_size, softcap))
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        layout = None  # the checks raise
+    lengths = None if layout is None else (layout, q.shape[0], cu_seqlens_q.shape[0], max_seqlen_q, max_seqlen_k,
+                                           block_table.shape[1])
+    run = _PAGED_VARLEN_RUNS.get(lengths)
+    if run is None:
+        opts = _PAGED_VARLEN_LAYOUTS.get(layout)
+        if opts is None:
+            opts = _check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                                       seqused_k, softmax_scale, causal, window_size, softcap, alibi_slopes)
+            _remember(_PAGED_VARLEN_LAYOUTS, layout, opts)
+        run = _varlen_paged_run(q, k_cache, cu_seqlens_q, max_seqlen_q, max_seqlen_k, block_table, opts)
+        _remember(_PAGED_VARLEN_RUNS, lengths, run)
     return run(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes)
 
 
-# validated paged varlen calls: signature -> run (interface._FORWARD_LAUNCHES' rules)
+# checked paged varlen layouts: layout -> the score options (interface._FORWARD_LAUNCHES' rules)
+_PAGED_VARLEN_LAYOUTS: dict = {}
+# their kernel choices: (layout, total_q, batch + 1, max_seqlen_q, max_seqlen_k, max_pages) -> run
 _PAGED_VARLEN_RUNS: dict = {}
 
 
-def _varlen_paged_run(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                      block_table, seqused_k, softmax_scale, causal: bool, window_size, softcap: float, alibi_slopes):
-    """``varlen_paged``'s checks and kernel choice: a function of (q, k_cache, v_cache,
-    cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes) -> (out, lse) that runs
-    any call of the same signature."""
-    from cute_attn.interface import _alibi_slopes, _decode_launcher, _forward_launcher, _score_options
+def _check_paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, block_table, seqused_k,
+                        softmax_scale, causal: bool, window_size, softcap: float, alibi_slopes):
+    """``varlen_paged``'s checks (beside flash_attn_varlen_func's): the score options."""
+    from cute_attn.interface import _alibi_slopes, _score_options
 
-    total_q, heads, head_dim = q.shape
+    _, heads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
-    device = q.device
-    # every check before anything runs: the KV-cache call's own on a stand-in of its shapes (batch,
-    # max_seqlen_q queries; a broadcast view, no memory), cu_seqlens_k[1:] for the key counts (a
-    # view), then the packed q's own layout
+    # the KV-cache call's own checks on a stand-in of its shapes (batch, max_seqlen_q queries; a
+    # broadcast view, no memory), cu_seqlens_k[1:] for the key counts (a view), then the packed
+    # q's own layout
     q_like = q.new_empty((1, 1, 1, head_dim)).expand(batch, max_seqlen_q, heads, head_dim)
-    plan = check_kvcache_args(q_like, k_cache, v_cache, block_table=block_table,
-                              cache_seqlens=seqused_k if seqused_k is not None else cu_seqlens_k[1:])
+    check_kvcache_args(q_like, k_cache, v_cache, block_table=block_table,
+                       cache_seqlens=seqused_k if seqused_k is not None else cu_seqlens_k[1:])
     _check_layout("q", q)
     _check_cuda("q", q)
     opts = _score_options(causal, softmax_scale, head_dim, window_size, softcap, alibi_slopes is not None)
-    _alibi_slopes(alibi_slopes, batch, heads, device)
+    _alibi_slopes(alibi_slopes, batch, heads, q.device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         raise NotImplementedError("flash_attn_varlen_func with a block_table has no backward (inference, as "
                                   "FlashAttention-2's paged path): call it under torch.no_grad() or with tensors "
                                   "that do not require grad")
+    return opts
+
+
+def _varlen_paged_run(q, k_cache, cu_seqlens_q, max_seqlen_q: int, max_seqlen_k: int, block_table, opts):
+    """``varlen_paged``'s kernel choice for checked arguments: a function of (q, k_cache, v_cache,
+    cu_seqlens_q, cu_seqlens_k, block_table, seqused_k, alibi_slopes) -> (out, lse) that runs any
+    call of the same layout and lengths (total_q, batch, max_seqlen_q/k, max_pages)."""
+    from cute_attn.interface import _alibi_slopes, _decode_launcher, _forward_launcher
+
+    total_q, heads, _ = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    device = q.device
+    _, page_size, heads_kv, _ = k_cache.shape
     launch = None
     if total_q:
-        sm90 = sm90_paged_varlen(q, plan.heads_kv, opts, max_seqlen_q, plan.page_size, batch)
-        max_keys = min(max_seqlen_k, plan.cache_len)
+        sm90 = sm90_paged_varlen(q, heads_kv, opts, max_seqlen_q, page_size, batch)
+        max_keys = min(max_seqlen_k, block_table.shape[1] * page_size)
         if sm90 is not None:
             launch = _forward_launcher(q.unsqueeze(0), k_cache, dataclasses.replace(opts, features=sm90),
-                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_keys, page_size=plan.page_size)
+                                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_keys, page_size=page_size)
         else:
             decode = _decode_launcher(q.unsqueeze(0), k_cache, opts, max_keys, 0, kvcache=False,
-                                      page_size=plan.page_size, varlen=(batch, max_seqlen_q))
+                                      page_size=page_size, varlen=(batch, max_seqlen_q))
 
             def launch(q, k_cache, v_cache, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, keys, block_table):
                 decode(q, k_cache, v_cache, out, lse, slopes, (keys, None, None, block_table),

@@ -394,6 +394,7 @@ def test_repeated_paged_varlen_calls_skip_only_what_cannot_change(monkeypatch):
     monkeypatch.setattr(interface, "_decode_launcher",
                         lambda *a, **kw: lambda *args, **kws: launched.append((args, kws)))
     monkeypatch.setattr(kvcache, "_PAGED_VARLEN_RUNS", {})
+    monkeypatch.setattr(kvcache, "_PAGED_VARLEN_LAYOUTS", {})
     a = varlen_args()
     pages = torch.randn(6, 16, 2, 64, dtype=torch.bfloat16)
     table = torch.arange(6, dtype=torch.int32).view(3, 2)
@@ -415,6 +416,63 @@ def test_repeated_paged_varlen_calls_skip_only_what_cannot_change(monkeypatch):
     with torch.no_grad(), pytest.raises(ValueError, match="block_table must have 2 dims"):
         call(block_table=table.view(-1))
     assert len(launched) == 2
+
+
+def test_paged_varlen_calls_of_one_layout_check_only_their_lengths(monkeypatch):
+    """A serving loop's paged calls differ in batch size, totals and max_seqlen every step: the
+    checks run once per layout (interface._varlen_layout) and the kernel choice once per layout
+    and lengths; what involves the lengths (one batch size across cu_seqlens, block_table and
+    seqused_k, max_seqlen ints, aligned pointers) is still checked on every call."""
+    from cute_attn import interface, kvcache
+
+    launched, checks = [], []
+    full_check = kvcache.check_kvcache_args
+    monkeypatch.setattr(interface, "_check_cuda", lambda name, t: None)
+    monkeypatch.setattr(kvcache, "_check_cuda", lambda name, t: None)
+    monkeypatch.setattr(kvcache, "sm90_paged_varlen", lambda *a: None)
+    monkeypatch.setattr(kvcache, "check_kvcache_args", lambda *a, **kw: checks.append(1) or full_check(*a, **kw))
+    monkeypatch.setattr(interface, "_decode_launcher",
+                        lambda *a, **kw: lambda *args, **kws: launched.append((args, kws)))
+    for store in ("_PAGED_VARLEN_RUNS", "_PAGED_VARLEN_LAYOUTS"):
+        monkeypatch.setattr(kvcache, store, {})
+    monkeypatch.setattr(interface, "_VARLEN_CALLS", {})
+    pages = torch.randn(12, 16, 2, 64, dtype=torch.bfloat16)
+
+    def step(lengths_q, lengths_k, max_pages=2, **overrides):
+        batch = len(lengths_q)
+        a = {**varlen_args(lengths_q, lengths_k), "k": pages, "v": pages,
+             "block_table": torch.randperm(12, dtype=torch.int32)[:batch * max_pages].view(batch, max_pages)}
+        a.update(overrides)
+        with torch.no_grad():
+            return cute_attn.flash_attn_varlen_func(*[a.pop(n) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k",
+                                                                         "max_seqlen_q", "max_seqlen_k")],
+                                                    causal=True, **a)
+
+    out = step((5, 0, 11), (7, 3, 11))
+    assert out.shape == (16, 4, 64) and len(checks) == 1
+    step((1, 1), (20, 9), max_pages=3)  # another batch, totals, max_seqlen and block table: no check
+    step((1, 1, 1, 2), (3, 1, 17, 30))
+    assert len(checks) == 1 and len(launched) == 3 and len(kvcache._PAGED_VARLEN_RUNS) == 3
+    assert len(kvcache._PAGED_VARLEN_LAYOUTS) == 1 and len(interface._VARLEN_CALLS) == 1
+    step((1, 1, 1, 2), (3, 1, 17, 30))  # the same lengths again: the stored kernel choice
+    assert len(launched) == 4 and len(kvcache._PAGED_VARLEN_RUNS) == 3
+    # what involves the lengths is checked on every call, as the full checks report it
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_table must have shape \(2, 2\)"):
+        step((1, 1), (20, 9), block_table=table)
+    with pytest.raises(ValueError, match=r"seqused_k must have shape \(batch,\)"):
+        step((1, 1), (20, 9), seqused_k=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="max_seqlen_k must be an int"):
+        step((1, 1), (20, 9), max_seqlen_k=20.0)
+    with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_k must have one length"):
+        step((1, 1), (20, 9), cu_seqlens_k=torch.tensor([0, 20, 29, 30], dtype=torch.int32))
+    shifted = torch.randn(2 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 64)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        step((1, 1), (20, 9), q=shifted)
+    strided_table = torch.zeros(2, 4, dtype=torch.int32)[:, ::2]
+    with pytest.raises(ValueError, match="block_table must be contiguous in its last dim"):
+        step((1, 1), (20, 9), block_table=strided_table)
+    assert len(launched) == 4
 
 
 def test_varlen_backward_rejects_non_tensors():
