@@ -264,6 +264,32 @@ def test_flash_attn_varlen_func_seqused_k_equals_the_used_keys_alone():
         assert not full[rest].any(), f"{name}: unused keys got gradients"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_seqused_k_rows_past_the_used_keys_may_hold_nan(causal):
+    """seqused_k's buffers filled to different depths (allocated with torch.empty, the rest never
+    written): rows past each sequence's used keys hold NaN, which neither the forward nor the
+    backward may read into a result (0 * NaN is NaN), as FlashAttention zero-fills them."""
+    q, k, v, cu_q, cu_k = packed([3, 200, 1, 130], [50, 300, 64, 200], 4, 2, 128, torch.bfloat16)
+    used = torch.tensor([17, 300, 0, 129], dtype=torch.int32, device="cuda")
+    k_clean, v_clean = k.clone(), v.clone()
+    for b, n in enumerate(used.tolist()):
+        start, end = cu_k[b].item(), cu_k[b + 1].item()
+        k[start + n:end], v[start + n:end] = float("nan"), float("nan")
+    out, lse = cute_attn.varlen_forward(q, k, v, cu_q, cu_k, 200, 300, causal=causal, seqused_k=used, return_lse=True)
+    want, want_lse = cute_attn.varlen_forward(q, k_clean, v_clean, cu_q, cu_k, 200, 300, causal=causal,
+                                              seqused_k=used, return_lse=True)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    dout = torch.randn_like(out)
+    got = cute_attn.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 200, 300, causal=causal, seqused_k=used,
+                                    deterministic=True)
+    clean = cute_attn.varlen_backward(dout, q, k_clean, v_clean, want, want_lse, cu_q, cu_k, 200, 300, causal=causal,
+                                      seqused_k=used, deterministic=True)
+    for name, g, c in zip(("dq", "dk", "dv"), got, clean):
+        torch.testing.assert_close(g, c, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    check_varlen(q, k_clean, v_clean, cu_q, cu_k, causal, dict(seqused_k=used), f"seqused causal={causal}")
+
+
 def test_flash_attn_varlen_func_autograd_and_fa2_positional_order():
     """FlashAttention-2's positional order (dropout_p, softmax_scale, causal); gradients through
     autograd equal the direct backward bitwise (deterministic), the autograd one run in autograd's

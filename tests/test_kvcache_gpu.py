@@ -552,6 +552,44 @@ def test_chunked_prefill(page_size, head_dim, options):
         check_kvcache(q, k_cache, v_cache, case, k, v, cache_seqlens=lengths, **opts)
 
 
+# ---------------------------------------------------------------------------- rows past the keys
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_cache_rows_past_the_keys_may_hold_nan(page_size):
+    """A cache allocated with torch.empty and filled only up to each sequence's length: FlashAttention-2
+    reads nothing past cache_seqlens (its loads zero-fill those rows), so neither may a kernel here,
+    where a 0 probability times a NaN value would still make NaN. Every row past a sequence's keys
+    (and every slot of its pages past them) holds NaN; chunks of 200 queries (on Hopper under the
+    sm90 family the SM90 forward, which loads whole 16-key pieces and K/V blocks) and decode steps,
+    causal or not, against the reference on the rows in use."""
+    batch, heads, heads_kv, head_dim, capacity = 4, 16, 4, 128, 512
+    lengths = torch.tensor([37, 300, 1, 129], dtype=torch.int32, device="cuda")
+    for seqlen_q in (200, 1):
+        q, k_cache, v_cache, _, _ = decode_inputs(batch, seqlen_q, heads, heads_kv, head_dim, capacity, BF16)
+        past = torch.arange(capacity, device="cuda")[None, :] >= lengths[:, None]
+        k_cache[past], v_cache[past] = float("nan"), float("nan")
+        opts = {}
+        if page_size:
+            k_cache, v_cache, opts["block_table"] = to_paged(k_cache, v_cache, page_size)
+        for causal in (False, True):
+            case = f"page={page_size} sq={seqlen_q} causal={causal}"
+            ref, ref_lse, _, _ = attention_kvcache_reference(q, k_cache, v_cache, cache_seqlens=lengths, causal=causal,
+                                                             **opts)
+            same = attention_kvcache_reference(q, k_cache, v_cache, cache_seqlens=lengths, causal=causal,
+                                               compute_dtype=BF16, **opts)[0]
+            out, lse = cute_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=causal,
+                                                         return_softmax_lse=True, **opts)
+            check_close("out", out, ref, same, 1e-4, case)
+            check_lse(lse, ref_lse, case)
+            if page_size:  # the paged varlen call over the same pages
+                cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device="cuda")
+                cu_k = torch.cat([lengths.new_zeros(1), lengths.cumsum(0, dtype=torch.int32)])
+                with torch.no_grad():
+                    out_v = cute_attn.flash_attn_varlen_func(q.flatten(0, 1), k_cache, v_cache, cu_q, cu_k, seqlen_q,
+                                                             int(lengths.max()), causal=causal,
+                                                             block_table=opts["block_table"])
+                check_close("out", out_v.view(q.shape), ref, same, 1e-4, f"varlen {case}")
+
+
 # ---------------------------------------------------------------------------- flash_attn_varlen_func(block_table=)
 @pytest.mark.parametrize("page_size,head_dim,options", [
     (16, 128, dict(causal=True)), (64, 128, dict()), (16, 64, dict(window_size=(100, 0))),

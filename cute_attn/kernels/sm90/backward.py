@@ -88,6 +88,7 @@ class Barrier(enum.IntEnum):
     DQ_FULL_WG1 = 3  # MMA warpgroup i + the dQ writer: its dQ is in shared memory (3, 4)
     DQ_EMPTY_WG1 = 5  # MMA warpgroup i + the dQ writer: its dQ buffer may be written (5, 6)
     PDS_FREE = 7  # backward_large.py, both MMA warpgroups: the last Q block's P and dS are read
+    KV_TAIL = 8  # both MMA warpgroups: K's and V's rows past seqused_k zeroed (_clear_kv_tail)
 
 
 def dq_accum_slots(mdQ_accum: cute.Tensor, seq: SeqlenInfo, head, m_block, tile_m: int, head_dim: int,
@@ -736,7 +737,7 @@ class FlashAttentionBackwardSm90:
                softcap_scale)
 
         states = self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2,
-                                     states)
+                                     states, kv_tiles=(sK, sV, n_block))
         # (a K/V block that no query sees still stores its dK = dV = 0)
         epilogue = partial(self._epilogue, acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx,
                            softmax_scale, n_block, head_dkv, seq)
@@ -759,13 +760,15 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def _walk_q_blocks(self, ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2,
-                       states=None):
+                       states=None, kv_tiles=None):
         """Once K and V are in: ``_backward_block`` on the ``num_m`` Q blocks from ``m_min`` of
         each of the ``group`` query heads of this K/V head. ``states``: the pipeline states to start
-        from (persistent; returned advanced), else fresh ones."""
+        from (persistent; returned advanced), else fresh ones. ``kv_tiles``: (sK, sV, n_block), whose
+        rows past seqused_k's keys are zeroed first (``_clear_kv_tail``)."""
         kv_state, q_state, do_state = self._pipeline_states(pipeline.PipelineUserType.Consumer) \
             if const_expr(states is None) else states
         pipe_kv.consumer_wait(kv_state)
+        self._clear_kv_tail(kv_tiles, seq.seqlen_k)
         # One loop body for every Q block, masked or not: a second, unmasked copy of the body
         # (as the forward has) measured slower here, the masks being one compare and select
         # per element against the ~100 cycles per element of the five GEMMs.
@@ -778,6 +781,23 @@ class FlashAttentionBackwardSm90:
                 q_state.advance()
                 do_state.advance()
         return kv_state, q_state, do_state
+
+    @cute.jit
+    def _clear_kv_tail(self, kv_tiles, seqlen_k: Int32):
+        """seqused_k: K's and V's rows past the sequence's used keys, zeroed in shared memory once
+        TMA has written them and before any GEMM reads them. They may hold rows never written (NaN
+        among them: buffers filled to different depths), and a 0 score or probability times NaN is
+        NaN (dP = dO V^T, dQ = dS K), so they must read as the zeros FlashAttention-2's loads make
+        them (common.zero_rows_from)."""
+        if const_expr(self.features.seqused):
+            sK, sV, n_block = kv_tiles
+            rows = seqlen_k - n_block * self.tile_n
+            if rows < self.tile_n:
+                tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
+                for sX in (sK, sV):
+                    common.zero_rows_from(sX, cutlass.max(rows, 0), tidx, self.num_mma_threads)
+                cute.arch.fence_view_async_shared()  # visible to the wgmma (async proxy)
+                cute.arch.barrier(barrier_id=int(Barrier.KV_TAIL), number_of_threads=self.num_mma_threads)
 
     @cute.jit
     def _backward_block(self, ctx, q_state, do_state, m_block: Int32, alibi_slope):

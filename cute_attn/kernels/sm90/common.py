@@ -20,6 +20,7 @@ class NamedBarrier(enum.IntEnum):
     EPILOGUE = 1  # all consumer threads: O (a whole tile, in Q's buffer) in shared memory
     SCHEDULER_WG1 = 2  # ping-pong: consumer warpgroup i waits on SCHEDULER_WG1 + i - 1
     EPILOGUE_WG1 = 5  # consumer warpgroup i's threads: its rows of O in shared memory (5, 6, 7)
+    V_TAIL_WG1 = 8  # consumer warpgroup i's threads: V's rows past the keys zeroed (8, 9, 10)
 
 
 def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, slice_cols: int | None = None):
@@ -87,3 +88,21 @@ def release_stage(pipe, state):
     under register pressure ptxas recomputes that predicate from the thread index (S2R) at every
     release: a short-scoreboard stall ncu showed in the SM90 backward."""
     pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask)
+
+
+@cute.jit
+def zero_rows_from(sX: cute.Tensor, first_row, tid, num_threads: cutlass.Constexpr[int]):
+    """Rows ``first_row`` on of the (rows, cols) shared-memory tile ``sX`` set to zero by
+    ``num_threads`` threads (``tid`` 0..num_threads - 1), 8 columns at a time. A K/V block read
+    whole by TMA holds, past its sequence's keys, rows the call never wrote (a cache's rows past
+    cache_seqlens, a page's slots past its sequence's keys): masked scores give them probability 0,
+    but 0 times NaN is NaN, so they must read as zeros, as FlashAttention-2's zero-filling loads
+    make them. The caller then fences (``fence_view_async_shared``) and synchronises its readers."""
+    rows, cols = cute.size(sX, mode=[0]), cute.size(sX, mode=[1])
+    per_row = cols // 8
+    count = (rows - first_row) * per_row
+    for i in cutlass.range(tid, count, num_threads, unroll=1):
+        r = i // per_row
+        c = (i - r * per_row) * 8
+        for j in cutlass.range_constexpr(8):
+            sX[first_row + r, c + j] = sX.element_type(0.0)

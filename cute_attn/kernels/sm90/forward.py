@@ -160,6 +160,12 @@ class FlashAttentionForwardSm90:
         assert not (features.kvcache or features.split or features.paged_rows), "decode features: the SM80 kernel"
         self.cluster_size = 2 if kv_multicast else 1
         self.features = features
+        # a paged cache (its pages' slots past a sequence's keys) or seqused_k (rows past the used
+        # keys) may hold rows never written, NaN among them: the V rows of a tile's first block
+        # past its keys are zeroed in shared memory before its P V (``_clear_v_tail``). Other
+        # rows a TMA box reads past a sequence's keys are past the tensor (zero-filled) or the
+        # next sequence's keys.
+        self.clears_v_tail = features.paged or features.seqused
         # Three consumer warpgroups have 160 registers a thread: softcap's or ALiBi's per-element
         # work on S does not fit beside the operands of the P V still in flight (P and O stay
         # pinned until it completes; ptxas spilled 8-96 bytes at d64). Those variants wait for
@@ -845,6 +851,7 @@ class FlashAttentionForwardSm90:
             softcap_scale=softcap_scale if const_expr(self.features.softcap) else None,
         )
         mask_of = partial(self._tile_mask, score_mod, mAlibiSlopes, softmax_scale_log2, group)
+        clear_v_tail = partial(self._clear_v_tail, pipe_v, sV, wg)
         num_tiles = count_tiles()
         rounds, tile = first_tile(num_tiles)
         if const_expr(self.overlap_tiles):
@@ -857,7 +864,8 @@ class FlashAttentionForwardSm90:
                 acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
                 has_first = tile < num_tiles
                 self._next_first_qk(has_first, mma_qk, acc_S, tSrQ, tSrK, pipe_q, q_state, pipe_k, kv)
-                self._next_first_softmax(has_first, acc_S, tOrP, acc_O, softmax, pipe_k, kv, mask_of, tiles, tile)
+                self._next_first_softmax(has_first, acc_S, tOrP, acc_O, softmax, pipe_k, kv, mask_of, tiles, tile,
+                                         clear_v_tail)
             else:
                 # every CTA has a first tile: the grid is at most the number of tiles
                 first_m_block, first_head, _, first_seq, first_walk = tiles(tile)
@@ -865,6 +873,7 @@ class FlashAttentionForwardSm90:
                 pipe_q.consumer_wait(q_state)
                 self._first_block(mma_qk, thr_qk, tSrQ[None, None, None, q_state.index], tSrK, tOrP, softmax,
                                   mask_of(first_m_block, first_head, first_seq), pipe_k, kv, first_walk[0] - 1)
+                clear_v_tail(kv, first_seq.seqlen_k, first_walk[0] - 1)
         while tile < num_tiles:
             m_block, head, _, seq, walk = tiles(tile)
             n_block_max, n_masked_right, n_unmasked, n_masked_left = walk
@@ -880,6 +889,7 @@ class FlashAttentionForwardSm90:
                     self._start_tile(acc_O, softmax)
                     pipe_q.consumer_wait(q_state)
                     self._first_block(mma_qk, thr_qk, tSrQ_tile, tSrK, tOrP, softmax, mask, pipe_k, kv, n_block_max - 1)
+                    clear_v_tail(kv, seq.seqlen_k, n_block_max - 1)
                 for i in cutlass.range(n_masked_right - 1, unroll=1):
                     kv = self._attend_overlapped(ctx, kv, n_block_max - 2 - i, masked=True)
                 for i in cutlass.range(n_unmasked, unroll=1):
@@ -895,13 +905,14 @@ class FlashAttentionForwardSm90:
                 v_state = kv.clone()
                 kv.advance()
                 self._tile_boundary(
-                    ctx, v_state, kv, q_state, pipe_q, tSrQ, mask_of, tiles, next_tile_, num_tiles,
+                    ctx, v_state, kv, q_state, pipe_q, tSrQ, mask_of, clear_v_tail, tiles, next_tile_, num_tiles,
                     partial(self._epilogue, acc_O, softmax, mO, mLSE, sO, atom_O, mma_pv, thr_pv, tidx,
                             m_block, head, seq, group=group),
                 )
             else:
                 self._start_tile(acc_O, softmax)
                 pipe_q.consumer_wait(q_state)
+                clear_v_tail(kv, seq.seqlen_k, n_block_max - 1)
                 self._scheduler_sync(wg)
                 for i in cutlass.range(n_masked_right, unroll=1):
                     kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
@@ -920,6 +931,21 @@ class FlashAttentionForwardSm90:
             tile = next_tile_
         if self._issues_store(tidx):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the last store read it
+
+    @cute.jit
+    def _clear_v_tail(self, pipe_v, sV: cute.Tensor, wg, kv, seqlen_k: Int32, n_block: Int32):
+        """``clears_v_tail``: the rows of V block ``n_block`` (a tile's first, the one holding its
+        sequence's last key) past seqlen_k, zeroed in its stage by this consumer warpgroup once
+        TMA has written it, before the warpgroup's P V reads it (common.zero_rows_from). Every
+        consumer warpgroup zeroes the same rows (the same value), each before its own P V."""
+        if const_expr(self.clears_v_tail):
+            rows = seqlen_k - n_block * self.tile_n
+            if rows < self.tile_n:
+                pipe_v.consumer_wait(kv)
+                common.zero_rows_from(sV[None, None, kv.index], cutlass.max(rows, 0),
+                                      cute.arch.thread_idx()[0] % WARPGROUP_THREADS, WARPGROUP_THREADS)
+                cute.arch.fence_view_async_shared()  # visible to the wgmma (async proxy)
+                cute.arch.barrier(barrier_id=int(NamedBarrier.V_TAIL_WG1) + wg, number_of_threads=WARPGROUP_THREADS)
 
     @cute.jit
     def _tile_mask(self, score_mod, mAlibiSlopes: cute.Tensor | None, softmax_scale_log2: Float32, group: Int32,
@@ -963,8 +989,8 @@ class FlashAttentionForwardSm90:
         tOrP.store(acc_to_operand_a(acc_S).load().to(self.dtype))
 
     @cute.jit
-    def _tile_boundary(self, ctx, v_state, kv, q_state, pipe_q, tSrQ_stages, mask_of, tiles, next_tile: Int32,
-                       num_tiles: Int32, epilogue):
+    def _tile_boundary(self, ctx, v_state, kv, q_state, pipe_q, tSrQ_stages, mask_of, clear_v_tail, tiles,
+                       next_tile: Int32, num_tiles: Int32, epilogue):
         """O += P V of this tile's last block, then the epilogue. With ``overlap_tiles``, once O is
         final and converted, S = Q K^T of the next tile's first block (when this CTA has a next
         tile) is issued and runs under the rest of the epilogue (LSE, shared-memory and TMA stores),
@@ -987,7 +1013,8 @@ class FlashAttentionForwardSm90:
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
             epilogue(issue_next=partial(self._next_first_qk, has_next, mma_qk, acc_S, tSrQ_stages, tSrK, pipe_q,
                                         q_state, pipe_k, kv))
-            self._next_first_softmax(has_next, acc_S, tOrP, acc_O, softmax, pipe_k, kv, mask_of, tiles, next_tile)
+            self._next_first_softmax(has_next, acc_S, tOrP, acc_O, softmax, pipe_k, kv, mask_of, tiles, next_tile,
+                                     clear_v_tail)
 
     @cute.jit
     def _next_first_qk(self, has_next, mma_qk, acc_S, tSrQ_stages, tSrK, pipe_q, q_state, pipe_k, kv):
@@ -1001,7 +1028,8 @@ class FlashAttentionForwardSm90:
                      zero_init=True, wait=-1)
 
     @cute.jit
-    def _next_first_softmax(self, has_next, acc_S, tOrP, acc_O, softmax, pipe_k, kv, mask_of, tiles, next_tile: Int32):
+    def _next_first_softmax(self, has_next, acc_S, tOrP, acc_O, softmax, pipe_k, kv, mask_of, tiles, next_tile: Int32,
+                            clear_v_tail):
         """Wait for the next tile's first S and turn it into P, with fresh statistics and O = 0."""
         warpgroup.wait_group(0)
         if has_next:
@@ -1009,6 +1037,7 @@ class FlashAttentionForwardSm90:
             self._start_tile(acc_O, softmax)
             pipe_k.consumer_release(kv)
             self._first_softmax(acc_S, tOrP, softmax, mask_of(next_m_block, next_head, next_seq), next_walk[0] - 1)
+            clear_v_tail(kv, next_seq.seqlen_k, next_walk[0] - 1)
 
     @cute.jit
     def _attend_overlapped(self, ctx, kv, n_block: Int32, masked: cutlass.Constexpr[bool]):
