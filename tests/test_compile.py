@@ -173,10 +173,12 @@ def test_forward_variant_compiles_to_expected_instructions(fwd_key):
             pieces = fn.traits.tile_n // 16
             assert counts["cp.async.bulk.tensor"] >= 4 * pieces, f"{fwd_key.name}: too few TMA loads for the pieces"
             assert "shfl.sync" in ptx, "the pieces' pages are read by one lane each and shuffled"
-        # paged or seqused_k: the rows of a tile's first V block past its keys zeroed in shared
-        # memory before its P V (16-bit stores, which nothing else in the kernel makes)
-        clears = fwd_key.features.paged or fwd_key.features.seqused
-        assert ("st.shared.b16" in ptx) == clears, f"{fwd_key.name}: V's rows past the keys"
+        # paged: the rows of a tile's first V block past its keys zeroed in shared memory before
+        # its P V (16-bit stores, which nothing else in the kernel makes); contiguous varlen K/V
+        # (seqused_k too) load through ragged views instead (5-d boxes, out of bounds past the keys)
+        assert ("st.shared.b16" in ptx) == fwd_key.features.paged, f"{fwd_key.name}: V's rows past the keys"
+        ragged_loads = ptx.count("cp.async.bulk.tensor.5d.shared::")
+        assert (ragged_loads >= 2) == (fwd_key.features.varlen and not fwd_key.features.paged), fwd_key.name
         # the register split leaves no room for spills anywhere in the SM90 table
         assert res["stack_frame"] == 0, f"{fwd_key.name}: {res['stack_frame']} bytes of local memory (spills)"
         return
@@ -457,8 +459,11 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
         assert "stmatrix" in ptx, "dS and the dK/dV epilogue go through stmatrix"
         if bwd_key.deterministic:
             assert "ld.acquire.gpu" in ptx and "st.release.gpu" in ptx, "no semaphore ordering for dQ"
-        # seqused_k: K's and V's rows past the used keys zeroed in shared memory (16-bit stores)
-        assert ("st.shared.b16" in ptx) == bwd_key.features.seqused, f"{bwd_key.name}: K/V rows past the keys"
+        # varlen: Q, dO, K and V load through ragged views (5-d boxes, out of bounds past the
+        # sequence's queries / keys), so no rows are zeroed in shared memory (16-bit stores)
+        assert "st.shared.b16" not in ptx, f"{bwd_key.name}: rows zeroed in shared memory"
+        ragged_loads = ptx.count("cp.async.bulk.tensor.5d.shared::")
+        assert (ragged_loads >= 4) == bwd_key.features.varlen, f"{bwd_key.name}: {ragged_loads} ragged loads"
         t = fn.traits
         # split query heads' fp32 dK, dV (compile.sm90_split_dkv_fp32): TMA reductions into the
         # shared accumulators, four 32-column boxes of the swizzled fp32 tile per head dim of 128;

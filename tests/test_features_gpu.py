@@ -290,6 +290,45 @@ def test_varlen_seqused_k_rows_past_the_used_keys_may_hold_nan(causal):
     check_varlen(q, k_clean, v_clean, cu_q, cu_k, causal, dict(seqused_k=used), f"seqused causal={causal}")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_rows_past_the_last_sequence_may_hold_nan(causal):
+    """q/k/v/dout buffers sized for more tokens than this batch holds (a serving step's or a
+    padding-free loader's preallocated buffers, torch.empty): rows past cu_seqlens[-1] hold NaN.
+    The last sequence's last blocks span them; outputs, LSE and gradients of the sequences equal
+    those of buffers cut to the batch's tokens, bitwise (FlashAttention-2 never loads such rows).
+    Likewise a sequence's blocks never read its neighbours' rows."""
+    q, k, v, cu_q, cu_k = packed([3, 200, 1, 130], [50, 300, 64, 201], 4, 2, 128, torch.bfloat16)
+    total_q, total_k = q.shape[0], k.shape[0]
+
+    def nan_tail(t, rows=45):
+        return torch.cat([t, torch.full((rows, *t.shape[1:]), float("nan"), dtype=t.dtype, device=t.device)])
+
+    out, lse = cute_attn.varlen_forward(nan_tail(q), nan_tail(k), nan_tail(v), cu_q, cu_k, 200, 301, causal=causal,
+                                        return_lse=True)
+    want, want_lse = cute_attn.varlen_forward(q, k, v, cu_q, cu_k, 200, 301, causal=causal, return_lse=True)
+    torch.testing.assert_close(out[:total_q], want, atol=0, rtol=0)
+    torch.testing.assert_close(lse[:, :total_q], want_lse, atol=0, rtol=0)
+    dout = torch.randn_like(want)
+    got = cute_attn.varlen_backward(nan_tail(dout), nan_tail(q), nan_tail(k), nan_tail(v), out, lse, cu_q, cu_k, 200,
+                                    301, causal=causal, deterministic=True)
+    clean = cute_attn.varlen_backward(dout, q, k, v, want, want_lse, cu_q, cu_k, 200, 301, causal=causal,
+                                      deterministic=True)
+    for name, g, c in zip(("dq", "dk", "dv"), got, clean):
+        torch.testing.assert_close(g[:c.shape[0]], c, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    check_varlen(q, k, v, cu_q, cu_k, causal, {}, f"exact-size buffers causal={causal}")
+    # a sequence of NaN (its own results NaN) leaves its neighbours' results as they were
+    qn, kn, vn, doutn = q.clone(), k.clone(), v.clone(), dout.clone()
+    for t, cu in ((qn, cu_q), (kn, cu_k), (vn, cu_k), (doutn, cu_q)):
+        t[cu[1]:cu[2]] = float("nan")
+    out_n, lse_n = cute_attn.varlen_forward(qn, kn, vn, cu_q, cu_k, 200, 301, causal=causal, return_lse=True)
+    got = cute_attn.varlen_backward(doutn, qn, kn, vn, out_n, lse_n, cu_q, cu_k, 200, 301, causal=causal,
+                                    deterministic=True)
+    for name, g, c, cu in zip(("out", "dq", "dk", "dv"), (out_n, *got), (want, *clean), (cu_q, cu_q, cu_k, cu_k)):
+        for part in ((0, cu[1]), (cu[2], cu[-1])):
+            torch.testing.assert_close(g[part[0]:part[1]], c[part[0]:part[1]], atol=0, rtol=0,
+                                       msg=lambda m, name=name: f"{name} beside a NaN sequence: {m}")
+
+
 def test_flash_attn_varlen_func_autograd_and_fa2_positional_order():
     """FlashAttention-2's positional order (dropout_p, softmax_scale, causal); gradients through
     autograd equal the direct backward bitwise (deterministic), the autograd one run in autograd's

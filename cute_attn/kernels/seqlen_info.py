@@ -107,3 +107,32 @@ def ragged_rows(mX: cute.Tensor, offset: Int32, length: Int32) -> cute.Tensor:
     picked = mX[(None,) * (rank - 1) + (offset + length,)]
     return cute.domain_offset((RAGGED - length,) + (None,) * (rank - 2), picked)
 
+
+# ---------------------------------------------------------------------------- TMA loads in varlen
+# A load through ``ragged_view`` would have TMA start from the moved-back pointer, which must lie
+# in mapped memory (it faults on the box of a sequence with no rows), so loads take the variant
+# with two extra modes and the pointer left in place: a (seqlen, d, heads) tensor becomes
+# (RAGGED, d, heads, EXTRA, EXTRA) with strides (s, ..., 2^34 - s, s), s the row stride. Row r of
+# the sequence of ``length`` rows at ``offset`` has coordinates RAGGED - length + r, RAGGED and
+# offset + length in those three modes, at address base + (RAGGED - length + r) * s + RAGGED *
+# (2^34 - s) + (offset + length) * s = base + 2^64 + (offset + r) * s elements, which wraps to
+# base + (offset + r) * s (the byte offset is a multiple of 2^64 for any element size); rows past
+# ``length`` are out of bounds, read as zeros. (quack's copy_utils, after Triton's ragged TMA.)
+_WRAP = 2**34  # RAGGED * _WRAP = 2^64
+
+
+def ragged_load_view(mX: cute.Tensor) -> cute.Tensor:
+    """``mX`` (seqlen, ...) of rank <= 3 with the two extra modes; build the TMA load atom from this."""
+    shape = (RAGGED,) + tuple(mX.shape[1:]) + (_RAGGED_EXTRA, _RAGGED_EXTRA)
+    stride = tuple(mX.stride) + (_WRAP - mX.stride[0], mX.stride[0])
+    return cute.make_tensor(mX.iterator, cute.make_layout(shape, stride=stride))
+
+
+def ragged_load_rows(mX: cute.Tensor, offset: Int32, length: Int32) -> cute.Tensor:
+    """The TMA tensor of a ``ragged_load_view`` (after any other modes are indexed), as the
+    ``length`` rows from ``offset``: (RAGGED, ...) whose coordinates past ``length`` are out of
+    bounds (zeros), even where ``length`` is 0."""
+    rank = cute.rank(mX)
+    picked = mX[(None,) * (rank - 2) + (RAGGED, offset + length)]
+    return cute.domain_offset((RAGGED - length,) + (None,) * (rank - 3), picked)
+

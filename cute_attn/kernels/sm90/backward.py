@@ -25,7 +25,11 @@ Optional features (kernels/features.py, each compiled in only when asked for): a
 (the Q block range of ``block_info.backward_walk`` and the window edges in the mask), softcap
 (S^T = tanh(S^T * softcap_scale) before the mask and dS^T times its derivative 1 - tanh^2), ALiBi
 (its bias in the mask) and varlen (packed sequences: ``seqlen_info``; the grid covers the longest
-sequence's K/V blocks and those past a shorter one's end do nothing).
+sequence's K/V blocks and those past a shorter one's end do nothing). Varlen tensors go through
+ragged views (seqlen_info.ragged_view) that end at the sequence's last query (Q, dO) or key (K,
+V, dK, dV): a block past the end reads zeros (TMA's out-of-bounds fill), never the next
+sequence's rows or a buffer's unwritten tail (NaN among them: a 0 probability times NaN is NaN),
+and a store is clipped there.
 
 S and dP are computed transposed (keys along the wgmma M dimension, one warpgroup per 64 keys),
 so P^T and dS^T land in registers exactly as the A operand of the dV and dK GEMMs need them: P
@@ -67,7 +71,7 @@ from cute_attn.kernels import block_info, tile_scheduler
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
 from cute_attn.kernels.mask import alibi_slope_units, apply_mask_transposed, apply_softcap
-from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_rows, ragged_view
+from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_load_rows, ragged_load_view, ragged_rows, ragged_view
 from cute_attn.kernels.sm80 import common as sm80_common
 from cute_attn.kernels.sm90 import common
 from cute_attn.kernels.sm90.common import WARPGROUP_THREADS
@@ -88,7 +92,6 @@ class Barrier(enum.IntEnum):
     DQ_FULL_WG1 = 3  # MMA warpgroup i + the dQ writer: its dQ is in shared memory (3, 4)
     DQ_EMPTY_WG1 = 5  # MMA warpgroup i + the dQ writer: its dQ buffer may be written (5, 6)
     PDS_FREE = 7  # backward_large.py, both MMA warpgroups: the last Q block's P and dS are read
-    KV_TAIL = 8  # both MMA warpgroups: K's and V's rows past seqused_k zeroed (_clear_kv_tail)
 
 
 def dq_accum_slots(mdQ_accum: cute.Tensor, seq: SeqlenInfo, head, m_block, tile_m: int, head_dim: int,
@@ -284,9 +287,11 @@ class FlashAttentionBackwardSm90:
         mQ, mK, mV, mdO, mdK, mdV = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mdO, mdK, mdV)
         ]
+        q_rows = mQ.shape[0]  # (varlen: the packed total) for the causal order's sections
         if const_expr(varlen):
-            # a TMA store clips at the tensor's end, not the sequence's: dK and dV go through a
-            # ragged view so the last K/V block of a sequence stops at its last key
+            # a TMA copy clips at the tensor's end, not the sequence's: every tensor goes through a
+            # ragged view that ends at the sequence's last query or key (batch 1; _produce, _epilogue)
+            mQ, mK, mV, mdO = [ragged_load_view(t[None, None, None, 0]) for t in (mQ, mK, mV, mdO)]
             mdK, mdV = ragged_view(mdK), ragged_view(mdV)
         d, m, n = self.head_dim, self.tile_m, self.tile_n
         sQ_layout, sdO_layout, sKV_layout, sdS_layout = self._smem_layouts()
@@ -334,7 +339,7 @@ class FlashAttentionBackwardSm90:
             softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left,
             window_right, softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
             sQ_layout, sdO_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
-            num_n_blocks, num_batches, head_splits, mSeqOrder, *split_out,
+            num_n_blocks, num_batches, q_rows, head_splits, mSeqOrder, *split_out,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -347,7 +352,7 @@ class FlashAttentionBackwardSm90:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,  # TMA views, (seqlen, head_dim, heads, batch)
+        mQ: cute.Tensor,  # TMA views, (seqlen, head_dim, heads, batch); varlen: ragged (load) views
         mK: cute.Tensor,
         mV: cute.Tensor,
         mdO: cute.Tensor,
@@ -382,6 +387,7 @@ class FlashAttentionBackwardSm90:
         SharedStorage: cutlass.Constexpr,
         num_n_blocks: Int32,  # the grid's (K/V blocks, K/V heads, batch), for a persistent grid
         num_batches: Int32,
+        q_rows: Int32,  # Q's rows (varlen: the packed total, which the ragged view hides)
         head_splits: Int32,
         mSeqOrder: cute.Tensor | None,
         mdK_split: cute.Tensor | None,  # TMA views, (seqlen, head_dim, heads, batch) fp32
@@ -439,11 +445,11 @@ class FlashAttentionBackwardSm90:
         )
         if const_expr(self.persistent):
             grid_shape = (num_n_blocks, mK.shape[2] * head_splits, num_batches)
-            work_of = partial(self._work, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
-                              head_splits=head_splits, mSeqOrder=mSeqOrder)
+            work_of = partial(self._work, mQ, mK, q_rows, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left,
+                              window_right, head_splits=head_splits, mSeqOrder=mSeqOrder)
             self._persistent_roles(*role_args, work_of, grid_shape)
         else:
-            work = self._work(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
+            work = self._work(mQ, mK, q_rows, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
                               cute.arch.block_idx(), cute.arch.grid_dim(), head_splits=head_splits,
                               mSeqOrder=mSeqOrder)
             roles = partial(self._roles, *role_args, work)
@@ -538,8 +544,8 @@ class FlashAttentionBackwardSm90:
                       softcap_scale, work)
 
     @cute.jit
-    def _work(self, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
-              cta_coords, grid_shape, head_splits: Int32, mSeqOrder=None):
+    def _work(self, mQ: cute.Tensor, mK: cute.Tensor, q_rows: Int32, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left,
+              window_right, cta_coords, grid_shape, head_splits: Int32, mSeqOrder=None):
         """The K/V block, K/V head and sequence of the CTA at ``cta_coords`` of a (K/V blocks,
         K/V heads x head_splits, batch) grid, and the Q blocks it visits: (n_block, head of dK and
         dV, seq, first query head, query heads, first Q block, Q blocks per head, K/V head, whether
@@ -552,16 +558,18 @@ class FlashAttentionBackwardSm90:
         longest sequences' (longest) CTAs first and ends on short ones."""
         n_block, head_dkv, batch = cta_coords
         group_all = mQ.shape[2] // mK.shape[2]  # query heads per K/V head
+        if const_expr(not self.features.varlen):
+            q_rows = mQ.shape[0]  # (the same value; a varlen mQ is a ragged view)
         group = group_all // head_splits  # ... per CTA
         if const_expr(self.longest_first):
             # block 0 of every (batch, K/V head split) pair of an L2-sized section, then block 1, ...
             num_n, heads_dkv, batches = grid_shape
             cta = n_block + num_n * (head_dkv + heads_dkv * batch)
-            section = tile_scheduler.backward_heads_per_section(mQ.shape[0], group, self.head_dim)
+            section = tile_scheduler.backward_heads_per_section(q_rows, group, self.head_dim)
             n_block, head_dkv, batch = tile_scheduler.section_coords(cta, num_n, heads_dkv, batches, section)
         if const_expr(mSeqOrder is not None):
             batch = mSeqOrder[batch]
-        seq = SeqlenInfo(batch, mQ.shape[0], mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        seq = SeqlenInfo(batch, q_rows, mK.shape[0], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         if const_expr(self.causal and self.deterministic):
             # the last K/V blocks first: the order their dQ shares are added in (dq_semaphore_turn)
             n_block = kv_block_of_cta(n_block, self.tile_n, seq.seqlen_k, reverse=True)
@@ -593,11 +601,11 @@ class FlashAttentionBackwardSm90:
 
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         # (bound before the loop: the DSL would carry an object whose method a loop body calls)
-        q_rows, padded_q_rows = seq.q_rows, seq.padded_q_rows
+        q_rows, padded_q_rows = self._q_rows, seq.padded_q_rows
         for g in cutlass.range(group, unroll=1):
             head = head0 + g
-            gQ = cute.local_tile(q_rows(mQ[None, None, head, b]), tile_q, (None, 0))
-            gdO = cute.local_tile(q_rows(mdO[None, None, head, b]), tile_q, (None, 0))
+            gQ = cute.local_tile(q_rows(mQ, head, seq), tile_q, (None, 0))
+            gdO = cute.local_tile(q_rows(mdO, head, seq), tile_q, (None, 0))
             tQsQ, tQgQ = common.tma_tiles(atom_Q, gQ, sQ)
             tdOsdO, tdOgdO = common.tma_tiles(atom_dO, gdO, sdO)
             # the row buffers hold LSE_log2 = +inf (P = 0) and D = 0 past seqlen_q, up to the next
@@ -634,9 +642,25 @@ class FlashAttentionBackwardSm90:
         tile_kv = (self.tile_n, self.head_dim)
         pipe_kv.producer_acquire(kv_state)
         for atom, mX, sX in ((atom_K, mK, sK), (atom_V, mV, sV)):
-            gX = cute.local_tile(seq.k_rows(mX[None, None, head_kv, seq.tensor_batch]), tile_kv, (n_block, 0))
+            gX = cute.local_tile(self._k_rows(mX, head_kv, seq), tile_kv, (n_block, 0))
             tXsX, tXgX = common.tma_tiles(atom, gX, sX)
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+    def _q_rows(self, mX: cute.Tensor, head, seq: SeqlenInfo) -> cute.Tensor:
+        """(seqlen_q, head_dim) rows of Q or dO of ``head`` in ``seq``'s sequence; varlen: of the
+        ragged load view, out of bounds (zeros) past the sequence's last query."""
+        if const_expr(self.features.varlen):
+            return ragged_load_rows(mX[None, None, head, None, None], seq.offset_q, seq.seqlen_q)
+        return mX[None, None, head, seq.tensor_batch]
+
+    def _k_rows(self, mX: cute.Tensor, head_kv, seq: SeqlenInfo, load: bool = True) -> cute.Tensor:
+        """(seqlen_k, head_dim) rows of K, V (``load``) or dK, dV of ``head_kv`` in ``seq``'s
+        sequence; varlen: of the ragged (load) view, out of bounds past the sequence's last (used) key."""
+        if const_expr(self.features.varlen and load):
+            return ragged_load_rows(mX[None, None, head_kv, None, None], seq.offset_k, seq.seqlen_k)
+        if const_expr(self.features.varlen):
+            return ragged_rows(mX[None, None, head_kv, seq.tensor_batch, None], seq.offset_k, seq.seqlen_k)
+        return mX[None, None, head_kv, seq.tensor_batch]
 
     # ------------------------------------------------------------------ dQ writer warp
     @cute.jit
@@ -737,7 +761,7 @@ class FlashAttentionBackwardSm90:
                softcap_scale)
 
         states = self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2,
-                                     states, kv_tiles=(sK, sV, n_block))
+                                     states)
         # (a K/V block that no query sees still stores its dK = dV = 0)
         epilogue = partial(self._epilogue, acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx,
                            softmax_scale, n_block, head_dkv, seq)
@@ -760,15 +784,13 @@ class FlashAttentionBackwardSm90:
 
     @cute.jit
     def _walk_q_blocks(self, ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2,
-                       states=None, kv_tiles=None):
+                       states=None):
         """Once K and V are in: ``_backward_block`` on the ``num_m`` Q blocks from ``m_min`` of
         each of the ``group`` query heads of this K/V head. ``states``: the pipeline states to start
-        from (persistent; returned advanced), else fresh ones. ``kv_tiles``: (sK, sV, n_block), whose
-        rows past seqused_k's keys are zeroed first (``_clear_kv_tail``)."""
+        from (persistent; returned advanced), else fresh ones."""
         kv_state, q_state, do_state = self._pipeline_states(pipeline.PipelineUserType.Consumer) \
             if const_expr(states is None) else states
         pipe_kv.consumer_wait(kv_state)
-        self._clear_kv_tail(kv_tiles, seq.seqlen_k)
         # One loop body for every Q block, masked or not: a second, unmasked copy of the body
         # (as the forward has) measured slower here, the masks being one compare and select
         # per element against the ~100 cycles per element of the five GEMMs.
@@ -781,23 +803,6 @@ class FlashAttentionBackwardSm90:
                 q_state.advance()
                 do_state.advance()
         return kv_state, q_state, do_state
-
-    @cute.jit
-    def _clear_kv_tail(self, kv_tiles, seqlen_k: Int32):
-        """seqused_k: K's and V's rows past the sequence's used keys, zeroed in shared memory once
-        TMA has written them and before any GEMM reads them. They may hold rows never written (NaN
-        among them: buffers filled to different depths), and a 0 score or probability times NaN is
-        NaN (dP = dO V^T, dQ = dS K), so they must read as the zeros FlashAttention-2's loads make
-        them (common.zero_rows_from)."""
-        if const_expr(self.features.seqused):
-            sK, sV, n_block = kv_tiles
-            rows = seqlen_k - n_block * self.tile_n
-            if rows < self.tile_n:
-                tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
-                for sX in (sK, sV):
-                    common.zero_rows_from(sX, cutlass.max(rows, 0), tidx, self.num_mma_threads)
-                cute.arch.fence_view_async_shared()  # visible to the wgmma (async proxy)
-                cute.arch.barrier(barrier_id=int(Barrier.KV_TAIL), number_of_threads=self.num_mma_threads)
 
     @cute.jit
     def _backward_block(self, ctx, q_state, do_state, m_block: Int32, alibi_slope):
@@ -928,8 +933,7 @@ class FlashAttentionBackwardSm90:
             # (a whole warp: the copy elects one lane itself, with elect.sync over the warp)
             if cute.arch.make_warp_uniform(tidx // 32) == 0:
                 for _, atom, mX, sX in turn:
-                    rows = ragged_rows(mX, seq.offset_k, seq.seqlen_k) if const_expr(self.features.varlen) else mX
-                    gX = cute.local_tile(rows[None, None, head, seq.tensor_batch], tile, (n_block, 0))
+                    gX = cute.local_tile(self._k_rows(mX, head, seq, load=False), tile, (n_block, 0))
                     tXsX, tXgX = common.tma_tiles(atom, gX, sX)
                     cute.copy(atom, tXsX, tXgX)
                 cute.arch.cp_async_bulk_commit_group()
@@ -956,9 +960,7 @@ class FlashAttentionBackwardSm90:
         if tidx == 0:
             tile = (self.tile_n, self.head_dim)
             for atom, mX, sX in ((atom_dK, mdK, sK), (atom_dV, mdV, sV)):
-                if const_expr(self.features.varlen):
-                    mX = ragged_rows(mX, seq.offset_k, seq.seqlen_k)
-                gX = cute.local_tile(mX[None, None, head_dkv, seq.tensor_batch], tile, (n_block, 0))
+                gX = cute.local_tile(self._k_rows(mX, head_dkv, seq, load=False), tile, (n_block, 0))
                 tXsX, tXgX = common.tma_tiles(atom, gX, sX)
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()

@@ -189,8 +189,7 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
                tdQrKt, acc_dK, acc_dV, stsm_PdS, tPdSsPdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD, pipe_q, pipe_do,
                softmax_scale_log2, n_block, seq.seqlen_q, seq.seqlen_k, wg, window_left, window_right, softcap_scale)
 
-        self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2,
-                            kv_tiles=(sK, sV, n_block))
+        self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2)
         # (a K/V block that no query sees still stores its dK = dV = 0)
         self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
                        n_block, head_dkv, seq)

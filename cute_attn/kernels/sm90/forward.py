@@ -35,9 +35,12 @@ for every sequence, and a tile past its own sequence's end is skipped by every r
 instead (tile_scheduler.varlen_tile_coords). Causal varlen and causal windowed batches (d64, d128)
 run a persistent grid with a dynamic deal (``dynamic_tiles``): the producer warp takes each next
 tile number from a counter, skips those past their sequence's end, and hands the tile to the
-consumers. Loads start at the sequence's first row (rows past its end are the next sequence's:
-masked, or never stored); O's store goes through a ragged view that clips a partial last tile at
-the sequence's end.
+consumers. Q loads start at the sequence's first row (rows past its end are the next sequence's:
+masked, or never stored); K, V (not paged) and O go through ragged views (seqlen_info.ragged_view)
+that end at the sequence's last key / query: a K/V block past the keys reads zeros there (TMA's
+out-of-bounds fill), never the next sequence's rows or a buffer's unwritten tail (NaN among them:
+masked scores give them probability 0, but 0 x NaN is NaN), and a partial last tile of O is
+clipped at the sequence's end.
 
 Paged K/V (``paged``, varlen: flash_attn_varlen_func's block_table and the KV-cache chunks): the
 producer warp loads a K/V block as pieces of traits.SM90_PAGE_ROWS rows, one TMA load per piece
@@ -61,7 +64,7 @@ from cute_attn.kernels import block_info, tile_scheduler
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
 from cute_attn.kernels.mask import alibi_slope_units, apply_score_mods
-from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_rows, ragged_view
+from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_load_rows, ragged_load_view, ragged_rows, ragged_view
 from cute_attn.kernels.softmax import OnlineSoftmax
 from cute_attn.kernels.sm90 import common
 from cute_attn.kernels.sm90.common import WARPGROUP_THREADS, NamedBarrier
@@ -160,12 +163,11 @@ class FlashAttentionForwardSm90:
         assert not (features.kvcache or features.split or features.paged_rows), "decode features: the SM80 kernel"
         self.cluster_size = 2 if kv_multicast else 1
         self.features = features
-        # a paged cache (its pages' slots past a sequence's keys) or seqused_k (rows past the used
-        # keys) may hold rows never written, NaN among them: the V rows of a tile's first block
-        # past its keys are zeroed in shared memory before its P V (``_clear_v_tail``). Other
-        # rows a TMA box reads past a sequence's keys are past the tensor (zero-filled) or the
-        # next sequence's keys.
-        self.clears_v_tail = features.paged or features.seqused
+        # a paged cache's slots past a sequence's keys may hold rows never written, NaN among them:
+        # the V rows of a tile's first block past its keys are zeroed in shared memory before its
+        # P V (``_clear_v_tail``). Contiguous varlen K/V (seqused_k too) need none: their loads go
+        # through ragged views that end at the sequence's keys (TMA fills zeros past them).
+        self.clears_v_tail = features.paged
         # Three consumer warpgroups have 160 registers a thread: softcap's or ALiBi's per-element
         # work on S does not fit beside the operands of the P V still in flight (P and O stay
         # pinned until it completes; ptxas spilled 8-96 bytes at d64). Those variants wait for
@@ -219,8 +221,13 @@ class FlashAttentionForwardSm90:
         # paged: one page's piece of SM90_PAGE_ROWS rows per TMA load
         kv_box = piece if const_expr(self.features.paged) else (n, d)
         sKV_box = self._box_layout(sKV_stage, kv_box)
-        atom_K, tma_K = cpasync.make_tiled_tma_atom(load_kv, mK, sKV_box, kv_box, num_multicast=self.cluster_size)
-        atom_V, tma_V = cpasync.make_tiled_tma_atom(load_kv, mV, sKV_box, kv_box, num_multicast=self.cluster_size)
+        # varlen K/V (not paged; batch 1): ragged views, out of bounds past each sequence's keys (_produce)
+        ragged_kv = self.features.varlen and not self.features.paged
+        mK_load, mV_load = (mK, mV)
+        if const_expr(ragged_kv):
+            mK_load, mV_load = (ragged_load_view(t[None, None, None, 0]) for t in (mK, mV))
+        atom_K, tma_K = cpasync.make_tiled_tma_atom(load_kv, mK_load, sKV_box, kv_box, num_multicast=self.cluster_size)
+        atom_V, tma_V = cpasync.make_tiled_tma_atom(load_kv, mV_load, sKV_box, kv_box, num_multicast=self.cluster_size)
         # varlen: O's store clips at each sequence's end, not at the packed batch's (seqlen_info)
         mO_store = ragged_view(mO) if const_expr(self.features.varlen) else mO
         # O's buffer: (64, d, warpgroup) of its own when each warpgroup stores its own rows, else Q's
@@ -276,9 +283,9 @@ class FlashAttentionForwardSm90:
     def kernel(
         self,
         mQ: cute.Tensor,  # TMA views, (seqlen, head_dim, heads, batch)
-        mK: cute.Tensor,
+        mK: cute.Tensor,  # varlen, not paged: the ragged load view (seqlen_info.ragged_load_view)
         mV: cute.Tensor,
-        mO: cute.Tensor,  # varlen: the ragged view (seqlen_info.ragged_view)
+        mO: cute.Tensor,  # varlen: the ragged view
         mLSE: cute.Tensor,
         softmax_scale_log2: Float32,
         heads_per_section: Int32,
@@ -699,8 +706,14 @@ class FlashAttentionForwardSm90:
                 load_V = partial(self._tma_load_pages, pipe_v, atom_V, tVgV, tVsV)
                 pages_of = partial(self._block_pages, mPageTable, seq.batch, seq.seqlen_k, mK.shape[0])
             else:
-                gK = cute.local_tile(seq.k_rows(mK[None, None, head_kv, b]), tile_kv, (None, 0))
-                gV = cute.local_tile(seq.k_rows(mV[None, None, head_kv, b]), tile_kv, (None, 0))
+                if const_expr(self.features.varlen):
+                    # the sequence's seqlen_k keys (seqused_k's count), zeros past them (ragged views)
+                    mK_rows = ragged_load_rows(mK[None, None, head_kv, None, None], seq.offset_k, seq.seqlen_k)
+                    mV_rows = ragged_load_rows(mV[None, None, head_kv, None, None], seq.offset_k, seq.seqlen_k)
+                else:
+                    mK_rows, mV_rows = mK[None, None, head_kv, b], mV[None, None, head_kv, b]
+                gK = cute.local_tile(mK_rows, tile_kv, (None, 0))
+                gV = cute.local_tile(mV_rows, tile_kv, (None, 0))
                 tKsK, tKgK = common.tma_tiles(atom_K, gK, sK, cta_rank, self.cluster_size)
                 tVsV, tVgV = common.tma_tiles(atom_V, gV, sV, cta_rank, self.cluster_size)
                 load_K = partial(self._tma_load, pipe_k, atom_K, tKgK, tKsK)
@@ -934,8 +947,8 @@ class FlashAttentionForwardSm90:
 
     @cute.jit
     def _clear_v_tail(self, pipe_v, sV: cute.Tensor, wg, kv, seqlen_k: Int32, n_block: Int32):
-        """``clears_v_tail``: the rows of V block ``n_block`` (a tile's first, the one holding its
-        sequence's last key) past seqlen_k, zeroed in its stage by this consumer warpgroup once
+        """``clears_v_tail`` (paged): the rows of V block ``n_block`` (a tile's first, the one holding
+        its sequence's last key) past seqlen_k, zeroed in its stage by this consumer warpgroup once
         TMA has written it, before the warpgroup's P V reads it (common.zero_rows_from). Every
         consumer warpgroup zeroes the same rows (the same value), each before its own P V."""
         if const_expr(self.clears_v_tail):
