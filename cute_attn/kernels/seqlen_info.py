@@ -109,8 +109,8 @@ def ragged_rows(mX: cute.Tensor, offset: Int32, length: Int32) -> cute.Tensor:
 
 
 # ---------------------------------------------------------------------------- TMA loads in varlen
-# A load through ``ragged_view`` would have TMA start from the moved-back pointer, which must lie
-# in mapped memory (it faults on the box of a sequence with no rows), so loads take the variant
+# A load through ``ragged_view`` has TMA start from the moved-back pointer, which must lie in
+# mapped memory (on the H100 it faulted where a sequence has no keys), so loads take the variant
 # with two extra modes and the pointer left in place: a (seqlen, d, heads) tensor becomes
 # (RAGGED, d, heads, EXTRA, EXTRA) with strides (s, ..., 2^34 - s, s), s the row stride. Row r of
 # the sequence of ``length`` rows at ``offset`` has coordinates RAGGED - length + r, RAGGED and

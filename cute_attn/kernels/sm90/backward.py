@@ -26,10 +26,10 @@ Optional features (kernels/features.py, each compiled in only when asked for): a
 (S^T = tanh(S^T * softcap_scale) before the mask and dS^T times its derivative 1 - tanh^2), ALiBi
 (its bias in the mask) and varlen (packed sequences: ``seqlen_info``; the grid covers the longest
 sequence's K/V blocks and those past a shorter one's end do nothing). Varlen tensors go through
-ragged views (seqlen_info.ragged_view) that end at the sequence's last query (Q, dO) or key (K,
-V, dK, dV): a block past the end reads zeros (TMA's out-of-bounds fill), never the next
-sequence's rows or a buffer's unwritten tail (NaN among them: a 0 probability times NaN is NaN),
-and a store is clipped there.
+ragged views that end at the sequence's last query (Q, dO) or key (K, V, dK, dV; seqlen_info's
+``ragged_load_view`` for loads, ``ragged_view`` for stores): a block past the end reads zeros
+(TMA's out-of-bounds fill), never the next sequence's rows or a buffer's unwritten tail (NaN
+among them: a 0 probability times NaN is NaN), and a store is clipped there.
 
 S and dP are computed transposed (keys along the wgmma M dimension, one warpgroup per 64 keys),
 so P^T and dS^T land in registers exactly as the A operand of the dV and dK GEMMs need them: P

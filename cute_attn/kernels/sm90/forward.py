@@ -36,11 +36,11 @@ instead (tile_scheduler.varlen_tile_coords). Causal varlen and causal windowed b
 run a persistent grid with a dynamic deal (``dynamic_tiles``): the producer warp takes each next
 tile number from a counter, skips those past their sequence's end, and hands the tile to the
 consumers. Q loads start at the sequence's first row (rows past its end are the next sequence's:
-masked, or never stored); K, V (not paged) and O go through ragged views (seqlen_info.ragged_view)
-that end at the sequence's last key / query: a K/V block past the keys reads zeros there (TMA's
-out-of-bounds fill), never the next sequence's rows or a buffer's unwritten tail (NaN among them:
-masked scores give them probability 0, but 0 x NaN is NaN), and a partial last tile of O is
-clipped at the sequence's end.
+masked, or never stored); K, V (not paged) and O go through ragged views (seqlen_info's
+``ragged_load_view`` and ``ragged_view``) that end at the sequence's last key / query: a K/V
+block past the keys reads zeros there (TMA's out-of-bounds fill), never the next sequence's rows
+or a buffer's unwritten tail (NaN among them: masked scores give them probability 0, but 0 x NaN
+is NaN), and a partial last tile of O is clipped at the sequence's end.
 
 Paged K/V (``paged``, varlen: flash_attn_varlen_func's block_table and the KV-cache chunks): the
 producer warp loads a K/V block as pieces of traits.SM90_PAGE_ROWS rows, one TMA load per piece
