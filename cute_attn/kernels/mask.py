@@ -35,7 +35,7 @@ def apply_softcap(acc_S: cute.Tensor, softcap_scale: Float32, dtanh: cute.Tensor
     use: one MUFU operation per score beside the softmax's exp2. The accurate form
     1 - 2 / (exp2(2x log2 e) + 1) costs two (exp2, rcp) and measured 37% slower forward than no
     softcap (docs/performance.md)."""
-    for i in cutlass.range(cute.size(acc_S), unroll_full=True):  # (64+ per thread: a static loop warns)
+    for i in cutlass.range_constexpr(cute.size(acc_S)):
         t = cute.math.tanh(acc_S[i] * softcap_scale, approx=True)
         acc_S[i] = t
         if const_expr(dtanh is not None):

@@ -468,7 +468,7 @@ class FlashAttentionForwardSm80:
                 if const_expr(self.features.varlen):
                     q_idx = q_idx + offset_q
                 out_row = mOAccum[q_idx, h, None]
-                for c in cutlass.range(cute.size(O.shape[1]), unroll_full=True):  # (64 at d256)
+                for c in cutlass.range_constexpr(cute.size(O.shape[1])):
                     col = coords[r, c][1]
                     if const_expr(self.check_hdim):
                         if col < head_dim:
