@@ -72,6 +72,22 @@ class SeqlenInfo:
         """A backward row buffer (seqlen_q_padded, ...) from the sequence's first padded row."""
         return _shift(mX, self.padded_offset_q, self.varlen)
 
+    # The SM90 kernels' TMA tensors (seqlen, head_dim, heads, batch), varlen ones through ragged
+    # views (below): one head's (seqlen, head_dim) rows of this sequence. ``load``: a tensor of
+    # ``ragged_load_view`` (zeros past the sequence's rows), else of ``ragged_view`` (stores clip there).
+    def tma_q_rows(self, mX: cute.Tensor, head, load: bool = True) -> cute.Tensor:
+        return self._tma_rows(mX, head, self.offset_q, self.seqlen_q, load)
+
+    def tma_k_rows(self, mX: cute.Tensor, head, load: bool = True) -> cute.Tensor:
+        return self._tma_rows(mX, head, self.offset_k, self.seqlen_k, load)
+
+    def _tma_rows(self, mX: cute.Tensor, head, offset, length, load: bool) -> cute.Tensor:
+        if const_expr(not self.varlen):
+            return mX[None, None, head, self.tensor_batch]
+        if const_expr(load):
+            return ragged_load_rows(mX[None, None, head, None, None], offset, length)
+        return ragged_rows(mX[None, None, head, self.tensor_batch, None], offset, length)
+
 
 def _shift(mX: cute.Tensor, offset, varlen: bool) -> cute.Tensor:
     if const_expr(not varlen):

@@ -71,7 +71,7 @@ from cute_attn.kernels import block_info, tile_scheduler
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
 from cute_attn.kernels.mask import alibi_slope_units, apply_mask_transposed, apply_softcap
-from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_load_rows, ragged_load_view, ragged_rows, ragged_view
+from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_load_view, ragged_view
 from cute_attn.kernels.sm80 import common as sm80_common
 from cute_attn.kernels.sm90 import common
 from cute_attn.kernels.sm90.common import WARPGROUP_THREADS
@@ -601,11 +601,11 @@ class FlashAttentionBackwardSm90:
 
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         # (bound before the loop: the DSL would carry an object whose method a loop body calls)
-        q_rows, padded_q_rows = self._q_rows, seq.padded_q_rows
+        q_rows, padded_q_rows = seq.tma_q_rows, seq.padded_q_rows
         for g in cutlass.range(group, unroll=1):
             head = head0 + g
-            gQ = cute.local_tile(q_rows(mQ, head, seq), tile_q, (None, 0))
-            gdO = cute.local_tile(q_rows(mdO, head, seq), tile_q, (None, 0))
+            gQ = cute.local_tile(q_rows(mQ, head), tile_q, (None, 0))
+            gdO = cute.local_tile(q_rows(mdO, head), tile_q, (None, 0))
             tQsQ, tQgQ = common.tma_tiles(atom_Q, gQ, sQ)
             tdOsdO, tdOgdO = common.tma_tiles(atom_dO, gdO, sdO)
             # the row buffers hold LSE_log2 = +inf (P = 0) and D = 0 past seqlen_q, up to the next
@@ -642,25 +642,9 @@ class FlashAttentionBackwardSm90:
         tile_kv = (self.tile_n, self.head_dim)
         pipe_kv.producer_acquire(kv_state)
         for atom, mX, sX in ((atom_K, mK, sK), (atom_V, mV, sV)):
-            gX = cute.local_tile(self._k_rows(mX, head_kv, seq), tile_kv, (n_block, 0))
+            gX = cute.local_tile(seq.tma_k_rows(mX, head_kv), tile_kv, (n_block, 0))
             tXsX, tXgX = common.tma_tiles(atom, gX, sX)
             cute.copy(atom, tXgX, tXsX, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-
-    def _q_rows(self, mX: cute.Tensor, head, seq: SeqlenInfo) -> cute.Tensor:
-        """(seqlen_q, head_dim) rows of Q or dO of ``head`` in ``seq``'s sequence; varlen: of the
-        ragged load view, out of bounds (zeros) past the sequence's last query."""
-        if const_expr(self.features.varlen):
-            return ragged_load_rows(mX[None, None, head, None, None], seq.offset_q, seq.seqlen_q)
-        return mX[None, None, head, seq.tensor_batch]
-
-    def _k_rows(self, mX: cute.Tensor, head_kv, seq: SeqlenInfo, load: bool = True) -> cute.Tensor:
-        """(seqlen_k, head_dim) rows of K, V (``load``) or dK, dV of ``head_kv`` in ``seq``'s
-        sequence; varlen: of the ragged (load) view, out of bounds past the sequence's last (used) key."""
-        if const_expr(self.features.varlen and load):
-            return ragged_load_rows(mX[None, None, head_kv, None, None], seq.offset_k, seq.seqlen_k)
-        if const_expr(self.features.varlen):
-            return ragged_rows(mX[None, None, head_kv, seq.tensor_batch, None], seq.offset_k, seq.seqlen_k)
-        return mX[None, None, head_kv, seq.tensor_batch]
 
     # ------------------------------------------------------------------ dQ writer warp
     @cute.jit
@@ -924,6 +908,7 @@ class FlashAttentionBackwardSm90:
                                       mma_dkv).get_slice(tidx)
         barrier = partial(cute.arch.barrier, barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.num_mma_threads)
         tile = (self.tile_n, self.head_dim)
+        k_rows = seq.tma_k_rows  # (bound outside the branch below: the DSL would carry seq through it)
         for turn in ((tiles,) if at_once else ((tiles[0],), (tiles[1],))):
             barrier()  # K and V read by both warpgroups (in turns, dV: dK's copy has read the buffer)
             for acc, _, _, sX in turn:
@@ -933,7 +918,7 @@ class FlashAttentionBackwardSm90:
             # (a whole warp: the copy elects one lane itself, with elect.sync over the warp)
             if cute.arch.make_warp_uniform(tidx // 32) == 0:
                 for _, atom, mX, sX in turn:
-                    gX = cute.local_tile(self._k_rows(mX, head, seq, load=False), tile, (n_block, 0))
+                    gX = cute.local_tile(k_rows(mX, head, load=False), tile, (n_block, 0))
                     tXsX, tXgX = common.tma_tiles(atom, gX, sX)
                     cute.copy(atom, tXsX, tXgX)
                 cute.arch.cp_async_bulk_commit_group()
@@ -957,10 +942,11 @@ class FlashAttentionBackwardSm90:
         cute.copy(stsm, stsm.retile(rdV), stsm.partition_D(dst(sV)))
         cute.arch.fence_view_async_shared()
         barrier()
+        k_rows = seq.tma_k_rows  # (bound outside the branch below: the DSL would carry seq through it)
         if tidx == 0:
             tile = (self.tile_n, self.head_dim)
             for atom, mX, sX in ((atom_dK, mdK, sK), (atom_dV, mdV, sV)):
-                gX = cute.local_tile(self._k_rows(mX, head_dkv, seq, load=False), tile, (n_block, 0))
+                gX = cute.local_tile(k_rows(mX, head_dkv, load=False), tile, (n_block, 0))
                 tXsX, tXgX = common.tma_tiles(atom, gX, sX)
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()

@@ -64,7 +64,7 @@ from cute_attn.kernels import block_info, tile_scheduler
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
 from cute_attn.kernels.mask import alibi_slope_units, apply_score_mods
-from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_load_rows, ragged_load_view, ragged_rows, ragged_view
+from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_load_view, ragged_view
 from cute_attn.kernels.softmax import OnlineSoftmax
 from cute_attn.kernels.sm90 import common
 from cute_attn.kernels.sm90.common import WARPGROUP_THREADS, NamedBarrier
@@ -706,14 +706,9 @@ class FlashAttentionForwardSm90:
                 load_V = partial(self._tma_load_pages, pipe_v, atom_V, tVgV, tVsV)
                 pages_of = partial(self._block_pages, mPageTable, seq.batch, seq.seqlen_k, mK.shape[0])
             else:
-                if const_expr(self.features.varlen):
-                    # the sequence's seqlen_k keys (seqused_k's count), zeros past them (ragged views)
-                    mK_rows = ragged_load_rows(mK[None, None, head_kv, None, None], seq.offset_k, seq.seqlen_k)
-                    mV_rows = ragged_load_rows(mV[None, None, head_kv, None, None], seq.offset_k, seq.seqlen_k)
-                else:
-                    mK_rows, mV_rows = mK[None, None, head_kv, b], mV[None, None, head_kv, b]
-                gK = cute.local_tile(mK_rows, tile_kv, (None, 0))
-                gV = cute.local_tile(mV_rows, tile_kv, (None, 0))
+                # varlen: the sequence's seqlen_k keys (seqused_k's count), zeros past them
+                gK = cute.local_tile(seq.tma_k_rows(mK, head_kv), tile_kv, (None, 0))
+                gV = cute.local_tile(seq.tma_k_rows(mV, head_kv), tile_kv, (None, 0))
                 tKsK, tKgK = common.tma_tiles(atom_K, gK, sK, cta_rank, self.cluster_size)
                 tVsV, tVgV = common.tma_tiles(atom_V, gV, sV, cta_rank, self.cluster_size)
                 load_K = partial(self._tma_load, pipe_k, atom_K, tKgK, tKsK)
@@ -1171,15 +1166,12 @@ class FlashAttentionForwardSm90:
         cute.copy(thr_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO_rows))
         cute.arch.fence_view_async_shared()  # the generic-proxy writes above, visible to TMA
         barrier()
+        # varlen: clipped past the sequence's rows (outside the branch: the DSL would carry seq through it)
+        mO_rows = seq.tma_q_rows(mO, head, load=False)
         if const_expr(self.pack_gqa):
             if self._issues_store(tidx):
                 self._store_packed_o(mO, sO_rows, atom_O, m_block, head, seq, group, wg)
         elif self._issues_store(tidx):
-            if const_expr(self.features.varlen):
-                # the sequence's seqlen_q rows, out of bounds past them (seqlen_info.ragged_rows)
-                mO_rows = ragged_rows(mO[None, None, head, b, None], seq.offset_q, seq.seqlen_q)
-            else:
-                mO_rows = mO[None, None, head, b]
             if const_expr(self.persistent):
                 gO = cute.local_tile(mO_rows, (64, self.head_dim), (m_block * self.num_consumer_wgs + wg, 0))
             else:
@@ -1201,8 +1193,7 @@ class FlashAttentionForwardSm90:
             row = first_row + j * SM90_PAGE_ROWS
             hh = row // queries
             first = m_block * queries + row - hh * queries
-            mO_rows = ragged_rows(mO[None, None, head_kv * group + hh, seq.tensor_batch, None], seq.offset_q,
-                                  seq.seqlen_q)
+            mO_rows = seq.tma_q_rows(mO, head_kv * group + hh, load=False)
             gO = cute.local_tile(mO_rows, piece, (None, 0))
             tOsO, tOgO = common.tma_tiles(atom_O, gO, sO_pieces)
             cute.copy(atom_O, tOsO[None, j, 0], tOgO[None, first // SM90_PAGE_ROWS])
