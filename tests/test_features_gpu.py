@@ -59,6 +59,17 @@ def test_window_softcap_alibi_every_head_dim(head_dim):
         check_dense(q, k, v, False, options, f"d={head_dim} sq={seqlen_q} sk={seqlen_k}")
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_window_every_head_dim(head_dim):
+    """A window alone (no ALiBi, whose bias goes on every block): the SM90 backward masks only the
+    Q blocks that cross its edges or the K/V block's end past seqlen_k, and skips the mask on the
+    ones in between (``_unmasked_q_blocks``); windows wide enough to leave such blocks, K/V
+    blocks that end past seqlen_k, seqlen_q != seqlen_k."""
+    for seqlen_q, seqlen_k, window in [(1000, 1000, (300, 0)), (777, 1000, (200, 90)), (1000, 777, (129, 300))]:
+        q, k, v = random_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.bfloat16)
+        check_dense(q, k, v, False, dict(window_size=window), f"d={head_dim} sq={seqlen_q} sk={seqlen_k} {window}")
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_causal_window_over_many_kv_blocks(head_dim):
     """A causal window with more K/V blocks than SMs (the SM90 backward then runs its persistent
@@ -443,7 +454,7 @@ def feature_keys(smem_capacity: int = 227 * 1024) -> list:
     configs += [(F(softcap=True), False, 64, "bf16"), (F(local=True, alibi=True), False, 128, "bf16")]  # fallbacks
     for d in HEAD_DIMS:
         configs += [(F(local=True, softcap=True, alibi=True), False, d, "bf16"),
-                    (F(softcap=True, alibi=True, varlen=True), True, d, "bf16")]
+                    (F(softcap=True, alibi=True, varlen=True), True, d, "bf16"), (F(local=True), False, d, "bf16")]
     # seqused_k: plain (bf16 d128, both causal), with window + softcap + ALiBi (fp16 d64/256,
     # deterministic), and the autograd case (bf16 d64 causal)
     configs += [(F(varlen=True, seqused=True), c, 128, "bf16") for c in (False, True)]

@@ -35,6 +35,7 @@ the epilogue (dK, dV through K's and V's buffers and TMA stores; here with stmat
 """
 
 import math
+from functools import partial
 from typing import Type
 
 import cutlass
@@ -189,13 +190,14 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
                tdQrKt, acc_dK, acc_dV, stsm_PdS, tPdSsPdS, tdQsdQ, tScS, tScS_thread0, sLSE, sD, pipe_q, pipe_do,
                softmax_scale_log2, n_block, seq.seqlen_q, seq.seqlen_k, wg, window_left, window_right, softcap_scale)
 
-        self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2)
+        unmasked = self._unmasked_q_blocks(n_block, seq, window_left, window_right)
+        self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2, unmasked)
         # (a K/V block that no query sees still stores its dK = dV = 0)
         self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
                        n_block, head_dkv, seq)
 
     @cute.jit
-    def _backward_block(self, ctx, q_state, do_state, m_block: Int32, alibi_slope):
+    def _backward_block(self, ctx, q_state, do_state, m_block: Int32, alibi_slope, unmasked):
         """The five GEMMs of one Q block. wgmma groups complete in issue order, so each
         ``wait=1`` below means "everything but the GEMM just issued is done"."""
         (mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dq, tSrQ, tSrK, tdPrdO, tdPrV, tdVrdOt, tdKVrPdS, tdKrQt, tdQrdS,
@@ -220,8 +222,8 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
         if const_expr(self.features.softcap):
             dtanh = cute.make_rmem_tensor_like(acc_S)
             apply_softcap(acc_S, softcap_scale, dtanh)
-        apply_mask(acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
-                   self.causal, window_left, window_right, alibi_slope)
+        self._mask(partial(apply_mask, acc_S, tScS, tScS_thread0, m_block, n_block, self.tile_m, self.tile_n,
+                           seqlen_q, seqlen_k, self.causal, window_left, window_right, alibi_slope), m_block, unmasked)
         S = acc_to_rows_cols(acc_S)
         for r in cutlass.range_constexpr(cute.size(S.shape[0])):
             for c in cutlass.range_constexpr(cute.size(S.shape[1])):
