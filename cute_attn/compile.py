@@ -201,11 +201,15 @@ class RowKernelKey:
     check_hdim: bool
     traits: BackwardTraits | Sm90BackwardTraits | None = None
     varlen: bool = False  # the only feature the row kernels see
+    # bwd_pre: zero the dQ accumulator (the SM80 backward adds every share; the SM90 one stores
+    # the first share of each Q block, kernels/sm90/backward.py ``dq_first_share``)
+    zero_dq_accum: bool = True
 
     @property
     def name(self) -> str:
         return (f"{self.kind}_{self.target}_{self.dtype}_d{self.head_dim}{'_padded' if self.check_hdim else ''}"
-                f"{'_varlen' if self.varlen else ''}{'_' + self.traits.spec if self.traits else ''}")
+                f"{'_varlen' if self.varlen else ''}{'' if self.zero_dq_accum else '_unzeroed'}"
+                f"{'_' + self.traits.spec if self.traits else ''}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,7 +239,9 @@ def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, determin
         # deterministic dQ takes turns in the one-CTA-per-K/V-block grid's launch order
         candidates = tuple(dict.fromkeys(dataclasses.replace(t, persistent=False) for t in candidates))
     main = BackwardKey(kernel, target, dtype, padded, bool(causal), check, bool(deterministic), candidates, features)
-    return RowKernelKey("bwd_pre", target, dtype, padded, check, varlen=features.varlen), main
+    pre = RowKernelKey("bwd_pre", target, dtype, padded, check, varlen=features.varlen,
+                       zero_dq_accum=kernel != "sm90")
+    return pre, main
 
 
 def backward_post_key(main: BackwardKey, chosen: BackwardTraits) -> RowKernelKey:
@@ -305,7 +311,8 @@ def _fake_backward_tensors(dtype, head_dim_padded: int):
         f32, (batch, heads, seqlen_q_pad, head_dim_padded),
         stride=(cute.sym_int64(divisibility=128), cute.sym_int64(divisibility=128), head_dim_padded, 1), assumed_align=16,
     )
-    # the semaphores are a dummy (1, 1, 1) tensor unless deterministic: shapes of their own
+    # the semaphores: one per Q block (the SM90 backward; the SM80 one's are a dummy (1, 1, 1) tensor
+    # unless deterministic): shapes of their own
     sem = make_fake_tensor(cutlass.Int32, (sym(), sym(), m_blocks), stride=(cute.sym_int64(), cute.sym_int64(), 1),
                            assumed_align=4)
     return dict(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse, lse_log2=rows[0], d=rows[1],
@@ -426,16 +433,18 @@ def build_backward(key, keep_artifacts: bool = False):
     t = _fake_backward_tensors(dtype, key.head_dim)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if isinstance(key, RowKernelKey) and key.kind == "bwd_pre":
-        kernel = bwd.BackwardPreprocessSm80(dtype, key.head_dim, key.check_hdim, varlen=key.varlen)
+        kernel = bwd.BackwardPreprocessSm80(dtype, key.head_dim, key.check_hdim, varlen=key.varlen,
+                                            zero_dq_accum=key.zero_dq_accum)
         args = (t["o"], t["do"], t["lse"], t["lse_log2"], t["d"], t["dq_accum"], *_fake_row_kernel_args(key.varlen))
     elif isinstance(key, RowKernelKey) and key.kind == "bwd_post":
         tr = key.traits
         if isinstance(tr, Sm90BackwardTraits):  # the accumulator is in the SM90 kernel's slot order
             kernel = bwd90.BackwardPostprocessSm90(dtype, key.head_dim, key.check_hdim, tr.tile_m, varlen=key.varlen)
+            args = (t["dq_accum"], t["dq"], t["sem"], cutlass.Float32(1.0), *_fake_row_kernel_args(key.varlen))
         else:
             kernel = bwd.BackwardPostprocessSm80(dtype, key.head_dim, key.check_hdim, tr.tile_m, tr.num_warps,
                                                  tr.dq_warps_m, varlen=key.varlen)
-        args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0), *_fake_row_kernel_args(key.varlen))
+            args = (t["dq_accum"], t["dq"], cutlass.Float32(1.0), *_fake_row_kernel_args(key.varlen))
     elif isinstance(key, BackwardKey):
         args = (t["q"], t["k"], t["v"], t["do"], t["lse_log2"], t["d"], t["dq_accum"], t["dk"], t["dv"], t["sem"],
                 cutlass.Float32(1.0), cutlass.Float32(1.0), *_fake_feature_args(key.features))

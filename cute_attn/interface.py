@@ -922,6 +922,16 @@ def _longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.argsort(cu_seqlens.diff(), descending=True, stable=True).to(torch.int32)
 
 
+# tests set this to fill the backward's scratch buffers with NaN (where the kernels must write
+# before they read, an unwritten row shows up as NaN in the gradients)
+POISON_SCRATCH = False
+
+
+def _scratch(shape, **kwargs) -> torch.Tensor:
+    """An uninitialised buffer, or one of NaN under ``POISON_SCRATCH``."""
+    return torch.full(shape, float("nan"), **kwargs) if POISON_SCRATCH else torch.empty(shape, **kwargs)
+
+
 def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, max_seqlen_q: int = 0,
                        max_seqlen_k: int = 0, batch: int | None = None):
     """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
@@ -985,8 +995,9 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
                               for t in (dk, dv))
         lse_log2 = torch.empty((q.shape[0], heads, rows_pad), **f32)
         delta = torch.empty((q.shape[0], heads, rows_pad), **f32)
-        dq_accum = torch.empty((q.shape[0], heads, rows_pad, head_dim), **f32)  # zeroed by the preprocess
-        if deterministic:
+        # SM80: zeroed by the preprocess; SM90: each Q block's first share is stored, not added
+        dq_accum = _scratch((q.shape[0], heads, rows_pad, head_dim), **f32)
+        if deterministic or sm90:  # a semaphore per Q block (SM90: its first share's ticket)
             sem = torch.zeros((num_seqs, heads, sem_blocks), dtype=torch.int32, device=device)
         else:
             sem = torch.empty((1, 1, 1), dtype=torch.int32, device=device)
@@ -995,7 +1006,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
             kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk_out, dv_out, sem, scale, scale_log2,
                        cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, *scalars,
                        *((_longest_first(cu_seqlens_q) if ordered else None, dkv_split) if sm90 else ()))
-            kernels[2](dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q)
+            kernels[2](dq_accum, dq, *((sem,) if sm90 else ()), scale, cu_seqlens_q, max_seqlen_q)
             if split_fp32:
                 if deterministic:  # the splits' tiles, summed in a fixed order
                     dkv_split = dkv_split.unflatten(-2, (k.shape[2], splits)).sum(-2)

@@ -25,3 +25,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def all_variants(request):
     return request.config.getoption("--all-variants")
+
+
+@pytest.fixture(autouse=True)
+def poison_backward_scratch(monkeypatch):
+    """Every test runs the backward with its scratch buffers (the dQ accumulator) full of NaN
+    (``interface.POISON_SCRATCH``): a kernel that reads a row nothing wrote, such as the SM90
+    postprocess on a Q block no K/V block reached, shows up as NaN in the gradients."""
+    from cute_attn import interface
+
+    monkeypatch.setattr(interface, "POISON_SCRATCH", True)

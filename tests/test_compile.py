@@ -11,6 +11,7 @@ from cute_attn import artifacts
 from cute_attn.compile import (
     TARGETS,
     BackwardKey,
+    RowKernelKey,
     backward_keys,
     backward_variants,
     build,
@@ -459,6 +460,15 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
         assert "stmatrix" in ptx, "dS and the dK/dV epilogue go through stmatrix"
         if bwd_key.deterministic:
             assert "ld.acquire.gpu" in ptx and "st.release.gpu" in ptx, "no semaphore ordering for dQ"
+        else:
+            # the first dQ share of a Q block goes to the K/V block that takes the semaphore's
+            # first ticket, which publishes its landing; the others wait for it (dq_first_share)
+            assert "atom.global.add.u32" in ptx and "atom.global.release.add.u32" in ptx, "no dQ ticket"
+            assert "ld.acquire.gpu" in ptx, "no wait for the first dQ share"
+        # the accumulator is not zeroed: every bulk dQ reduction has a bulk store beside it for
+        # a Q block's first share
+        assert (ptx.count("cp.async.bulk.global.shared::cta.bulk_group")
+                == ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32")), "no first-share store"
         # varlen: Q, dO, K and V load through ragged views (5-d boxes, out of bounds past the
         # sequence's queries / keys), so no rows are zeroed in shared memory (16-bit stores)
         assert "st.shared.b16" not in ptx, f"{bwd_key.name}: rows zeroed in shared memory"
@@ -497,6 +507,10 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
         assert counts["ld.local/st.local"] == 0 and res["stack_frame"] == 0, (
             f"{bwd_key.name}: {res['stack_frame']} bytes of local memory (spills)")
         return
+    if isinstance(bwd_key, RowKernelKey) and bwd_key.kind == "bwd_pre":
+        # 128-bit stores of zeros into the dQ accumulator: for the SM80 backward only
+        zeroes = "st.global.v4.b32" in ptx and "0f00000000, 0f00000000" in ptx
+        assert zeroes == bwd_key.zero_dq_accum, f"{bwd_key.name}: zeroes the accumulator: {zeroes}"
     if isinstance(bwd_key, BackwardKey):
         counts = artifacts.count_ptx(ptx)
         assert counts["mma.sync"] > 0 and counts["cp.async"] > 0 and counts["ldmatrix"] > 0
@@ -537,6 +551,10 @@ def test_sm90_backward_table_and_fallback():
         parse_backward_traits("m64n128s2q2", 128)
     assert backward_keys("sm_90a", "bf16", 72, True, False, kernel="sm90")[1].traits == SM90_BACKWARD[96][True]
     assert backward_keys("sm_80", "bf16", 64, False, False, kernel="sm90")[1].kernel == "sm80"
+    # the SM90 backward needs no zeroed dQ accumulator, the SM80 one does (a preprocess of its own)
+    pre90, _ = backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90")
+    pre80, _ = backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm80")
+    assert not pre90.zero_dq_accum and pre80.zero_dq_accum and pre90.name != pre80.name
     assert backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90", smem_capacity=100 * 1024)[1].kernel == "sm80"
     assert backward_keys("sm_90a", "bf16", 64, False, False)[1].kernel == "sm80"  # forced sm80 on Hopper
     spec = parse_backward_traits("m64n128s2", 128)

@@ -64,6 +64,8 @@ def dq_accum_thread_view(mdQ_accum: cute.Tensor, seq: SeqlenInfo, head, m_block,
 
 class BackwardPreprocessSm80:
     """D = rowsum(dO * O), LSE_log2 = LSE * log2(e), dQ_accum = 0, one (Q block, head, batch) per CTA.
+    ``zero_dq_accum`` False: the accumulator is left alone (the SM90 backward's first share of a
+    Q block is stored, not added: kernels/sm90/backward.py, ``dq_first_share``).
 
     varlen: O, dO and the LSE are packed (cu_seqlens_q); the row buffers are written from each
     sequence's padded offset, in whole VARLEN_ROW_PAD-row blocks, so that every Q block the main
@@ -71,7 +73,8 @@ class BackwardPreprocessSm80:
     a zeroed dQ accumulator."""
 
     def __init__(self, dtype: Type[cutlass.Numeric], head_dim: int, check_hdim: bool, tile_m: int = 64,
-                 num_threads: int = 128, varlen: bool = False):
+                 num_threads: int = 128, varlen: bool = False, zero_dq_accum: bool = True):
+        self.zero_dq_accum = zero_dq_accum
         self.dtype = dtype
         self.head_dim = head_dim
         self.check_hdim = check_hdim
@@ -166,14 +169,14 @@ class BackwardPreprocessSm80:
                     lse_log2 = gLSE[row] * 1.4426950408889634
                 gLSE_log2[row] = lse_log2
 
-        # zero this block's rows of the dQ accumulator
-        gdQ = cute.local_tile(seq.padded_q_rows(mdQ_accum[b, head, None, None]), (self.tile_m, mdQ_accum.shape[3]),
-                              (m_block, 0))
-        thr_zero = copy_zero.get_slice(tidx)
-        tZg = thr_zero.partition_D(gdQ)
-        zeros = cute.make_fragment_like(tZg)
-        zeros.fill(0.0)
-        cute.copy(copy_zero, zeros, tZg)
+        if const_expr(self.zero_dq_accum):  # zero this block's rows of the dQ accumulator
+            gdQ = cute.local_tile(seq.padded_q_rows(mdQ_accum[b, head, None, None]),
+                                  (self.tile_m, mdQ_accum.shape[3]), (m_block, 0))
+            thr_zero = copy_zero.get_slice(tidx)
+            tZg = thr_zero.partition_D(gdQ)
+            zeros = cute.make_fragment_like(tZg)
+            zeros.fill(0.0)
+            cute.copy(copy_zero, zeros, tZg)
 
 
 class FlashAttentionBackwardSm80:

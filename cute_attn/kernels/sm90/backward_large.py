@@ -191,7 +191,8 @@ class FlashAttentionBackwardSm90LargeHeadDim(FlashAttentionBackwardSm90):
                softmax_scale_log2, n_block, seq.seqlen_q, seq.seqlen_k, wg, window_left, window_right, softcap_scale)
 
         unmasked = self._unmasked_q_blocks(n_block, seq, window_left, window_right)
-        self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, m_min, num_m, softmax_scale_log2, unmasked)
+        self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, n_block, m_min, num_m, softmax_scale_log2,
+                            unmasked)
         # (a K/V block that no query sees still stores its dK = dV = 0)
         self._epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx, softmax_scale,
                        n_block, head_dkv, seq)
