@@ -135,9 +135,10 @@ DQ_STORED = 1 << 30
 @cute.jit
 def dq_first_share(sem, lane) -> Int32:
     """Non-deterministic dQ: 1 where this K/V block is the first to reach the Q block whose
-    semaphore is ``sem`` (it stores its share, so that the accumulator needs no zeroing: a
-    134 MB write, ~6% of a d128 causal backward at S 2048), else 0 once the first share has
-    landed (``DQ_STORED``; the others add theirs). Lane 0 takes a ticket; the warp gets the answer."""
+    semaphore is ``sem`` (it stores its share, so that the accumulator needs no zeroing: 134 MB
+    at d128 and 16k tokens; +6-7% on a d128 causal backward at S 2048 without it), else 0 once
+    the first share has landed (``DQ_STORED``; the others add theirs). Lane 0 takes a ticket; the
+    warp gets the answer."""
     ticket = Int32(0)
     if lane == 0:
         ticket = cute.arch.atomic_add(sem, Int32(1), sem="relaxed", scope="gpu")
@@ -785,8 +786,7 @@ class FlashAttentionBackwardSm90:
 
         unmasked = self._unmasked_q_blocks(n_block, seq, window_left, window_right)
         states = self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, n_block, m_min, num_m,
-                                     softmax_scale_log2,
-                                     unmasked, states)
+                                     softmax_scale_log2, unmasked, states)
         # (a K/V block that no query sees still stores its dK = dV = 0)
         epilogue = partial(self._epilogue, acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx,
                            softmax_scale, n_block, head_dkv, seq)
@@ -832,9 +832,9 @@ class FlashAttentionBackwardSm90:
     def staggered(self) -> bool:
         """Plain non-causal, one CTA per K/V block, not deterministic: each K/V block's walk starts
         at its own Q block (``_q_block``). H100, 2026-11-26, S 512-16384 beside the same kernels
-        walking from Q block 0: d128 -1..+9%, d256 +3..+9% (walking from 0, the accumulator left
-        unzeroed lost 1-6% at d256); the persistent d64 grid measured -2..-4% at S 512/1024 with
-        it, level beyond, and walks from 0."""
+        walking from Q block 0: d128 +1..+9% (one row, S 4096, -3..-5%), d256 +2..+10% (walking
+        from 0, the unzeroed accumulator cost d256 up to 6%: docs/performance.md); the persistent
+        d64 grid measured -2..-4% at S 512/1024 with it, level beyond, and walks from 0."""
         return not self.causal and not self.deterministic and not self.features.local and not self.persistent
 
     @cute.jit
@@ -1065,7 +1065,7 @@ class BackwardPostprocessSm90:
         self,
         mdQ_accum: cute.Tensor,  # (batch, heads, seqlen_q_padded, head_dim_padded) fp32
         mdQ: cute.Tensor,  # (batch, seqlen_q, heads, head_dim)
-        mSemaphore: cute.Tensor,  # (batch, heads, seqlen_q_padded / tile_m) int32: the main kernel's
+        mSemaphore: cute.Tensor,  # (batch, heads, seqlen_q_padded / tile_m) int32, the main kernel's (0: no share)
         softmax_scale: Float32,
         mCuSeqlensQ: cute.Tensor | None,  # varlen: (batch + 1,) int32; the tensors then have batch 1
         max_seqlen_q: Int32,  # varlen: the longest sequence (the grid)
