@@ -47,6 +47,8 @@ from typing import Any, Callable, Iterable
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.traits import (
     PAGE_BLOCK_MIN,
+    SM90_BACKWARD,
+    SM90_BACKWARD_LONG,
     SM90_CAUSAL_DYNAMIC_TILES,
     SM90_PAGE_ROWS,
     BackwardTraits,
@@ -58,6 +60,7 @@ from cute_attn.traits import (
     sm80_backward_traits,
     sm80_decode_traits,
     sm80_forward_traits,
+    sm90_backward_fallbacks,
     sm90_backward_traits,
     sm90_forward_traits,
     sm90_pages,
@@ -242,6 +245,33 @@ def backward_keys(target: str, dtype: str, head_dim: int, causal: bool, determin
     pre = RowKernelKey("bwd_pre", target, dtype, padded, check, varlen=features.varlen,
                        zero_dq_accum=kernel != "sm90")
     return pre, main
+
+
+def backward_long_key(main: BackwardKey) -> BackwardKey | None:
+    """The long-sequence tier of ``main`` (traits.SM90_BACKWARD_LONG, from SM90_BACKWARD_LONG_SEQLEN
+    query rows), or None where it has none: SM90, plain causal, not deterministic, the table's own
+    traits (an explicit-traits key has no tier)."""
+    long = SM90_BACKWARD_LONG.get(main.head_dim)
+    if (long is None or main.kernel != "sm90" or not main.causal or main.deterministic
+            or main.features != NO_FEATURES or main.candidates[0] != SM90_BACKWARD[main.head_dim][True]):
+        return None
+    return dataclasses.replace(main, candidates=(long, *sm90_backward_fallbacks(long)))
+
+
+def backward_tier_siblings(key) -> list:
+    """The backward kernels built together with ``key`` on its first use (compile.KernelCache's
+    group): a main kernel with a long-sequence tier (``backward_long_key``) comes with that tier
+    and its postprocess, and the tier with the main kernel, so that a later length never compiles.
+    Other keys come alone."""
+    if not isinstance(key, BackwardKey) or key.kernel != "sm90":
+        return [key]
+    long = SM90_BACKWARD_LONG.get(key.head_dim)
+    if long is not None and key.candidates[0] == long:  # the tier: the main kernel's
+        base = SM90_BACKWARD[key.head_dim][True]
+        main = dataclasses.replace(key, candidates=(base,))
+        return [key, main, backward_post_key(main, base)]
+    tier = backward_long_key(key)
+    return [key] if tier is None else [key, tier, backward_post_key(tier, long)]
 
 
 def backward_post_key(main: BackwardKey, chosen: BackwardTraits) -> RowKernelKey:
@@ -1033,7 +1063,7 @@ def forward_split_key(target: str, dtype: str, head_dim: int, causal: bool, feat
 
 
 forward_cache = KernelCache(build_forward, default_cache_dir(), group=forward_tier_siblings, background=True)
-backward_cache = KernelCache(build_backward, default_cache_dir(), background=True)
+backward_cache = KernelCache(build_backward, default_cache_dir(), group=backward_tier_siblings, background=True)
 
 
 def forward_variants(
@@ -1090,9 +1120,12 @@ def backward_variants(
                             for f in features:
                                 pre, main = backward_keys(target, dtype, d, c, det, traits=traits, kernel=kernel,
                                                           features=f)
-                                keys[pre] = keys[main] = None
-                                for chosen in main.candidates:  # whichever the main kernel ends up with
-                                    keys[backward_post_key(main, chosen)] = None
+                                keys[pre] = None
+                                # with the long-sequence tier the runtime builds beside it
+                                for m in filter(None, (main, None if traits else backward_long_key(main))):
+                                    keys[m] = None
+                                    for chosen in m.candidates:  # whichever the main kernel ends up with
+                                        keys[backward_post_key(m, chosen)] = None
     return list(keys)
 
 

@@ -870,8 +870,8 @@ def _prefetch_backward(q, causal, softmax_scale, deterministic, window_size, sof
                                    bool(deterministic))
     except Exception:  # noqa: BLE001  (a prefetch never fails the call; the forward reports bad input)
         return
-    if main not in compile_mod.backward_cache:
-        compile_mod.backward_cache.prefetch([pre, main], now_otherwise=False)
+    if main not in compile_mod.backward_cache:  # (with its long-sequence tier, if any)
+        compile_mod.backward_cache.prefetch([pre, *compile_mod.backward_tier_siblings(main)], now_otherwise=False)
 
 
 def backward_head_splits(num_seqs: int, heads: int, heads_kv: int, kv_blocks: int, max_kv_blocks: int, causal: bool,
@@ -937,10 +937,12 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
     and ``batch`` sequences): a function of (dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q,
     cu_seqlens_k, alibi_slopes[, seqused_k])."""
-    from cute_attn.traits import backward_padded_rows, varlen_padded_rows
+    from cute_attn.traits import SM90_BACKWARD_LONG_SEQLEN, backward_padded_rows, varlen_padded_rows
 
     plan = dispatch.plan_for_device(q.device)
     pre, main = _backward_keys(plan, q, opts, deterministic, traits)
+    if traits is None and max_seqlen_q >= SM90_BACKWARD_LONG_SEQLEN:  # the long-sequence tier, if any
+        main = compile_mod.backward_long_key(main) or main
     cache = compile_mod.backward_cache
     chosen = cache.chosen(main)
     if chosen.smem_bytes() > plan.smem_capacity:

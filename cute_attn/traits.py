@@ -519,6 +519,14 @@ SM90_BACKWARD = {
                                          dq_parts=2)),
 }
 
+# d128 plain causal (no window, softcap, ALiBi or varlen; not deterministic) from this many query rows:
+# 80-row Q blocks (the non-causal tile), the table's 64 below. H100, 2026-11-26, backward burst beside
+# the 64-row kernel in two runs: S 2048 +2.5% / -4%, 4096 +6% / 0%, 8192 +7% / +2%, 16384 +6.5% /
+# +2% (an earlier run, 2026-11-24: -4% at S 1024, +3% at 16384). Both tiers of a configuration are
+# built together (compile.backward_tier_siblings), so a new length never compiles.
+SM90_BACKWARD_LONG = {128: _B(128, tile_m=80, longest_first=True)}
+SM90_BACKWARD_LONG_SEQLEN = 8192
+
 
 def sm90_backward_traits(head_dim: int, causal: bool = False, smem_capacity: int | None = None,
                          varlen: bool = False) -> tuple[Sm90BackwardTraits, ...]:

@@ -160,6 +160,41 @@ def test_sm90_length_tiers_build_together(head_dim, causal):
     assert len(set(counting.keys)) == tiers + 1
 
 
+@pytest.mark.parametrize("head_dim", [128, 120])
+def test_sm90_backward_length_tiers_build_together(head_dim):
+    """d128 plain causal runs 80-row Q blocks from SM90_BACKWARD_LONG_SEQLEN query rows: the first
+    use of either tier builds both main kernels and their postprocesses, so no length compiles
+    again; other configurations have one tier."""
+    from cute_attn.compile import backward_keys, backward_long_key, backward_post_key, backward_tier_siblings
+    from cute_attn.traits import SM90_BACKWARD, SM90_BACKWARD_LONG, parse_backward_traits
+
+    pre, main = backward_keys("sm_90a", "bf16", head_dim, True, False, kernel="sm90")
+    long = backward_long_key(main)
+    assert long.candidates[0] == SM90_BACKWARD_LONG[128] and long.candidates[0].tile_m == 80
+    assert long.candidates[1:] == (SM90_BACKWARD[128][True],)  # where 80 rows would spill
+    posts = {backward_post_key(main, main.candidates[0]), backward_post_key(long, long.candidates[0])}
+    for first in (main, long):
+        counting = CountingBuild()
+        cache = KernelCache(counting, None, group=backward_tier_siblings)
+        cache.get(first)
+        cache.get(backward_post_key(main, main.candidates[0]))  # what a launch asks for beside it
+        cache.get(backward_post_key(long, long.candidates[0]))
+        cache.get(main), cache.get(long)
+        assert set(counting.keys) == {main, long, *posts} and len(counting.keys) == 4
+    assert compile_mod.backward_cache._group is backward_tier_siblings
+    # one tier: deterministic, non-causal, a feature, another head dim, other explicit traits, SM80
+    for key in (backward_keys("sm_90a", "bf16", 128, True, True, kernel="sm90")[1],
+                backward_keys("sm_90a", "bf16", 128, False, False, kernel="sm90")[1],
+                backward_keys("sm_90a", "bf16", 128, True, False, kernel="sm90", features=Features(softcap=True))[1],
+                backward_keys("sm_90a", "bf16", 64, True, False, kernel="sm90")[1],
+                backward_keys("sm_90a", "bf16", 128, True, False, traits=parse_backward_traits("m64n128s2", 128))[1],
+                backward_keys("sm_90a", "bf16", 128, True, False, kernel="sm80")[1]):
+        assert backward_long_key(key) is None and backward_tier_siblings(key) == [key]
+    # the variant lists (prebuild, tools/compile_variants.py) carry the tier and its postprocess
+    variants = compile_mod.backward_variants(["sm_90a"], [head_dim], ["bf16"], [True], [False], kernels=("sm90",))
+    assert {main, long, *posts} <= set(variants)
+
+
 def test_kv_cache_decode_builds_split_and_unsplit_together():
     """Whether a decode call splits the keys follows the cache length: the first use of either
     kernel builds both, so a growing cache never compiles."""
