@@ -62,20 +62,21 @@ def test_backward_matches_reference(head_dim, dtype, causal):
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads", [(8192, 8192, (2, 2)), (8300, 8200, (2, 1)), (8200, 9001, (2, 2))])
-def test_long_causal_backward_tier(arch, seqlen_q, seqlen_k, heads):
+def test_long_causal_backward_tier(arch, seqlen_q, seqlen_k, heads, monkeypatch):
     """d128 plain causal from traits.SM90_BACKWARD_LONG_SEQLEN query rows runs the SM90 backward's
     long-sequence tier (80-row Q blocks; the SM80 family has none): seqlen_q == seqlen_k, rows
     that see no key (seqlen_q > seqlen_k) and K/V blocks past the last query's diagonal."""
     from cute_attn import compile as compile_mod
-    from cute_attn.traits import SM90_BACKWARD_LONG, SM90_BACKWARD_LONG_SEQLEN
+    from cute_attn.traits import SM90_BACKWARD_LONG_SEQLEN
 
     assert seqlen_q >= SM90_BACKWARD_LONG_SEQLEN
+    asked, get = [], compile_mod.backward_cache.get  # the kernels the launches ask for
+    monkeypatch.setattr(compile_mod.backward_cache, "get", lambda key: asked.append(key) or get(key))
     check_backward(random_qkv(1, seqlen_q, seqlen_k, *heads, 128, torch.bfloat16), True,
                    f"long causal sq={seqlen_q} sk={seqlen_k} h={heads}")
     if arch == "sm90":
-        chosen = [compile_mod.backward_cache.chosen(k) for k in list(compile_mod.backward_cache._fns)
-                  if isinstance(k, compile_mod.BackwardKey) and k.causal and k.head_dim == 128]
-        assert SM90_BACKWARD_LONG[128] in chosen, "the long tier did not run"
+        _, main = compile_mod.backward_keys("sm_90a", "bf16", 128, True, False, kernel="sm90")
+        assert compile_mod.backward_long_key(main) in asked and main not in asked, "the long tier did not run"
 
 
 @pytest.mark.parametrize("head_dim,batch,seqlen,heads", [(128, 3, 4000, (4, 4)), (256, 2, 1500, (8, 4))])
