@@ -266,10 +266,9 @@ def backward_tier_siblings(key) -> list:
     if not isinstance(key, BackwardKey) or key.kernel != "sm90":
         return [key]
     long = SM90_BACKWARD_LONG.get(key.head_dim)
-    if long is not None and key.candidates[0] == long:  # the tier: the main kernel's
-        base = SM90_BACKWARD[key.head_dim][True]
-        main = dataclasses.replace(key, candidates=(base,))
-        return [key, main, backward_post_key(main, base)]
+    if long is not None and key.candidates[0] == long:  # the tier: the main kernel's, as backward_keys makes it
+        main = dataclasses.replace(key, candidates=sm90_backward_traits(key.head_dim, True))
+        return [key, main, backward_post_key(main, main.candidates[0])]
     tier = backward_long_key(key)
     return [key] if tier is None else [key, tier, backward_post_key(tier, long)]
 
