@@ -205,3 +205,38 @@ def test_startup_repeats_report_medians(monkeypatch, capsys):
     for name in ("FA4 (CuTe DSL)", "cute_attn cold (empty disk cache)", "cute_attn warm (disk cache filled)"):
         assert f"| {name} | 1 x 128 | 0.50 | 2.00 | 1.00-3.00 | 1.00 | 20.0 |" in out
     assert "SDPA" not in out
+
+
+def test_merge_reports_each_rows_median_ratio(bench, tmp_path, capsys):
+    """--merge: the rows every run measured, cute_attn and the best peer per run (not cute_attn's
+    own sweep columns, not the GEMM ceiling), the ratios and their median; no GPU, no timing."""
+    import json
+
+    def row(mode, s, ours, fa4, cudnn, sweep=None, ceiling=None):
+        r = {"mode": mode, "head_dim": 128, "causal": 1, "seqlen": s, "batch": 16384 // s, "heads": 16,
+             "heads_kv": 16, "cute_attn": ours, "FA4 (CuTe DSL)": fa4, "cuDNN (SDPA)": cudnn, "round_ms": {}}
+        if sweep:
+            r["cute_attn m64n128s2"] = sweep
+        if ceiling:
+            r[bench.CEILING] = ceiling
+        return r
+
+    runs = [
+        [row("bwd", 2048, 500, 490, 400, sweep=900, ceiling=800), row("bwd", 8192, 600, 610, 500)],
+        [row("bwd", 2048, 505, 500, 510), row("bwd", 8192, 620, 600, 500)],
+        [row("bwd", 2048, 495, 480, 400), row("bwd", 8192, 590, 600, 500), row("bwd", 16384, 1, 1, 1)],
+    ]
+    dirs = []
+    for i, rows in enumerate(runs):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        (d / "bench.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+        dirs.append(str(d))
+    bench.main(["--merge", *dirs])
+    out = capsys.readouterr().out
+    assert "median of 3 runs" in out
+    # S 2048: best peers FA4 490 (not the sweep's 900 or the ceiling's 800), cuDNN 510, FA4 480
+    assert ("| 128 | 1 | 2048 | 16/16 | 500 / 505 / 495 | 490 (FA4 (CuTe DSL)) / 510 (cuDNN (SDPA)) / "
+            "480 (FA4 (CuTe DSL)) | 1.02 / 0.99 / 1.03 | 1.02x |") in out
+    assert "| 128 | 1 | 8192 | 16/16 | 600 / 620 / 590 |" in out and "| 0.98 / 1.03 / 0.98 | 0.98x |" in out
+    assert "16384" not in out  # measured by one run only

@@ -14,6 +14,7 @@
     python tools/bench.py --decode --decode-sk            # the decode table only (--decode-sweep-only: the sweep only)
     python tools/bench.py --decode-latency                # wall time per decode call from Python (host overhead)
     python tools/bench.py --paged-varlen                  # flash_attn_varlen_func(block_table=): chunked-prefill batches
+    python tools/bench.py --merge run1 run2 run3          # the --out dirs of one command run N times: median ratios
 
 Peers: torch SDPA with the flash (FlashAttention-2) and cuDNN backends, and FlashAttention-4
 (``flash_attn.cute``) when importable. Batch = tokens / seqlen, heads = 2048 / head_dim (``--gqa G``:
@@ -36,6 +37,10 @@ feature beside cute_attn's dense kernel (causal for a window; no softcap; equal 
 and the peers that have the feature: FA4 (window, softcap, varlen) and torch's
 ``varlen_attn`` (FlashAttention-2's varlen kernel, where this torch has it).
 Prints a markdown table (TFLOP/s, and cute_attn over the best peer); writes JSON and a PNG plot.
+A burst row of several milliseconds moves by 2-4% between runs (the clocks under the power limit),
+so a bar is judged on several runs of the same command (``--out`` one directory each, fresh
+processes): ``--merge DIR...`` reads their bench.json and prints each row's cute_attn and best peer
+per run, their ratios and the median ratio (``merge_lines``).
 
 ``--decode`` (``decode_rows``) is memory-bound decoding against a KV cache: rows (B, Sq, Sk, heads
 q/kv) = DECODE_TABLE, d ``--decode-head-dim`` (128), each dense and with a paged cache of every
@@ -272,6 +277,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="--varlen: the range of the random lengths (short ones make batches of many sequences: "
                         "the SM90 forward numbers non-causal tiles without holes up to 32)")
     p.add_argument("--out", default="bench_results", help="directory for JSON and PNG")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="no timing: the bench.json of several runs' --out directories, each row's median ratio")
     d = p.add_argument_group("decode (KV cache, issue 14): TB/s of q, out and the K/V rows attended")
     d.add_argument("--decode", action="store_true",
                    help="the decode table (DECODE_TABLE, dense and with each --paged page size) and the --decode-sk "
@@ -298,6 +305,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     args = _parser().parse_args(argv)
+    if args.merge:
+        print("\n".join(merge_lines(args.merge)))
+        return
     if args.paged_varlen:
         return paged_varlen_rows(args)
     if args.decode or args.decode_latency:
@@ -458,6 +468,45 @@ def feature_rows(args):
 def _gqa_note(args) -> str:
     g = getattr(args, "gqa", 1)
     return f", GQA {g} query heads per K/V head" if g > 1 else ""
+
+
+# the fields of a bench.json row that are not an implementation's TFLOP/s
+_ROW_FIELDS = ("mode", "head_dim", "causal", "seqlen", "batch", "heads", "heads_kv", "round_ms")
+
+
+def merge_lines(dirs: list[str]) -> list[str]:
+    """Markdown tables of the rows that every run in ``dirs`` (``--out`` directories of one
+    command) measured: per run cute_attn's TFLOP/s and the best peer's (not cute_attn's own sweep
+    columns, not the GEMM ceiling), their ratios, and the median ratio, the figure a bar is judged
+    on. A run without a peer in a row counts no ratio there."""
+    runs = []
+    for d in dirs:
+        with open(os.path.join(d, "bench.json")) as f:
+            runs.append({_row_key(r): r for r in json.load(f)["rows"]})
+    keys = [k for k in runs[0] if all(k in run for run in runs)]
+    lines = [f"median of {len(runs)} runs ({', '.join(dirs)})"]
+    for mode in dict.fromkeys(k[0] for k in keys):
+        lines += ["", f"{mode}:", "",
+                  "| d | causal | S | heads q/kv | cute_attn per run | best peer per run | cute_attn / best peer per run | median |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for k in (k for k in keys if k[0] == mode):
+            ours, peers, ratios = [], [], []
+            for run in runs:
+                row = run[k]
+                best = max(((v, c) for c, v in row.items() if c not in _ROW_FIELDS and not c.startswith("cute_attn")
+                            and c != CEILING and v), default=None)
+                ours.append(f"{row['cute_attn']:.0f}" if row.get("cute_attn") else "-")
+                peers.append(f"{best[0]:.0f} ({best[1]})" if best else "-")
+                if best and row.get("cute_attn"):
+                    ratios.append(row["cute_attn"] / best[0])
+            median = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+            lines.append(f"| {k[1]} | {k[2]} | {k[3]} | {k[4]}/{k[5]} | {' / '.join(ours)} | {' / '.join(peers)} | "
+                         f"{' / '.join(f'{x:.2f}' for x in ratios) or '-'} | {median} |")
+    return lines
+
+
+def _row_key(row: dict) -> tuple:
+    return (row["mode"], row["head_dim"], row["causal"], row["seqlen"], row["heads"], row["heads_kv"])
 
 
 def _report(rows, ours, peers, extra, args):
