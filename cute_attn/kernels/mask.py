@@ -145,7 +145,9 @@ def apply_mask_transposed(
 ):
     """``apply_mask`` for a transposed tile S^T = K Q^T (rows are keys, columns queries), as the
     SM90 backward computes it: the same visibility rule and bias, one compare and one select per
-    element and mask against thread 0's compile-time column coordinates."""
+    element and mask against thread 0's compile-time column coordinates. (Per-row bit words read
+    by ``R2P``, FlashAttention-4's way, issue fewer instructions here but measured 0.5-2% slower:
+    docs/performance.md, "Fewer mask instructions in the backward's loop".)"""
     acc = acc_to_rows_cols(acc_St)
     coord = acc_to_rows_cols(tScS)
     coord0 = acc_to_rows_cols(tScS_thread0)

@@ -947,7 +947,9 @@ class FlashAttentionBackwardSm90:
         Q block (a second, unmasked copy of it, as the forward has, measured slower), and only a
         window's mask (two compares and selects per element) goes under a branch: +3-6% on d64
         windows, level to +7% at d128 (H100), where the causal mask's one compare and select
-        measured slower under one (docs/performance.md). ALiBi's bias goes on every block."""
+        measured slower under one, and so did the plain non-causal kernels' seqlen_k mask skipped
+        on every K/V block but the one that crosses seqlen_k (-1..-6%; docs/performance.md, "Fewer
+        mask instructions in the backward's loop"). ALiBi's bias goes on every block."""
         if const_expr(not self.features.local or self.features.alibi):
             return None
         _, _, first, end = block_info.backward_walk(n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
