@@ -493,8 +493,7 @@ def merge_lines(dirs: list[str]) -> list[str]:
             ours, peers, ratios = [], [], []
             for run in runs:
                 row = run[k]
-                best = max(((v, c) for c, v in row.items() if c not in _ROW_FIELDS and not c.startswith("cute_attn")
-                            and c != CEILING and v), default=None)
+                best = _best_peer(row, [c for c in row if c not in _ROW_FIELDS])
                 ours.append(f"{row['cute_attn']:.0f}" if row.get("cute_attn") else "-")
                 peers.append(f"{best[0]:.0f} ({best[1]})" if best else "-")
                 if best and row.get("cute_attn"):
@@ -503,6 +502,13 @@ def merge_lines(dirs: list[str]) -> list[str]:
             lines.append(f"| {k[1]} | {k[2]} | {k[3]} | {k[4]}/{k[5]} | {' / '.join(ours)} | {' / '.join(peers)} | "
                          f"{' / '.join(f'{x:.2f}' for x in ratios) or '-'} | {median} |")
     return lines
+
+
+def _best_peer(row: dict, cols) -> tuple[float, str] | None:
+    """(value, column) of the fastest peer of ``row`` among ``cols``: not cute_attn's own columns,
+    not the GEMM ceiling, timed (None where no peer is)."""
+    return max(((row[c], c) for c in cols if not c.startswith("cute_attn") and c != CEILING and row.get(c)),
+               default=None)
 
 
 def _row_key(row: dict) -> tuple:
@@ -1042,15 +1048,14 @@ def decode_table_lines(rows: list[dict], cols: list[str], copy_tbs: float | None
         " | best peer | cute_attn / best peer | cute_attn / copy |"
     lines = [head, "|" + "---|" * (len(cols) + 9)]
     for r in rows:
-        peers = {c: r[c] for c in cols if not c.startswith("cute_attn") and r.get(c)}
-        best = max(peers, key=peers.get) if peers else None
+        best = _best_peer(r, cols)
         ours = r.get("cute_attn")
         cells = [f"{r[c]:.2f}" if r.get(c) else "-" for c in cols]
         lines.append(
             f"| {r['batch']} | {r['seqlen_q']} | {r['seqlen_k']} | {r['heads']}/{r['heads_kv']} | "
             f"{r['page_size'] or '-'} | {r.get('num_splits', '?')} | " + " | ".join(cells)
-            + (f" | {peers[best]:.2f} ({best})" if best else " | -")
-            + (f" | {ours / peers[best]:.2f}x" if best and ours else " | -")
+            + (f" | {best[0]:.2f} ({best[1]})" if best else " | -")
+            + (f" | {ours / best[0]:.2f}x" if best and ours else " | -")
             + (f" | {ours / copy_tbs:.0%}" if ours and copy_tbs else " | -") + " |")
     return lines
 
