@@ -507,7 +507,11 @@ class Sm90BackwardTraits:
 # 0.2-2% but its 80-row kernel then spills 4 bytes; causal K/V blocks differ in length, and the
 # static rounds balanced them badly (d64 -7..-31%, d128 longest first -20..-38%); a dynamic deal
 # (an atomic counter, as the forward's dynamic_tiles) measured level with one CTA per block
-# (-5..+2.5%), so causal keeps the one-CTA-per-block grid.
+# (-5..+2.5%), so causal keeps the one-CTA-per-block grid. Stream-K for the grid's last round
+# (its blocks dealt out as (query head, Q block) steps over every SM, the cut blocks' dK and dV
+# partials added by the CTA that finishes them) measured level under the power limit at d128 (-2%
+# at S 2048, +0.7% at 16384), -2..-4% at d64, and +1.4-3.6% only in burst: not kept
+# (docs/performance.md, "Stream-K for the last round").
 _B = Sm90BackwardTraits
 SM90_BACKWARD = {
     32: {False: _B(32, tile_m=128, persistent=True), True: _B(32, tile_m=128)},
