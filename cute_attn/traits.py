@@ -510,7 +510,7 @@ class Sm90BackwardTraits:
 # (-5..+2.5%), so causal keeps the one-CTA-per-block grid. Stream-K for the grid's last round
 # (its blocks dealt out as (query head, Q block) steps over every SM, the cut blocks' dK and dV
 # partials added by the CTA that finishes them) measured level under the power limit at d128 (-2%
-# at S 2048, +0.7% at 16384), -2..-4% at d64, and +1.4-3.6% only in burst: not kept
+# at S 2048, +0.7% at 16384), -2..-5% at d64, and +1.4-3.6% only in burst: not kept
 # (docs/performance.md, "Stream-K for the last round").
 _B = Sm90BackwardTraits
 SM90_BACKWARD = {
