@@ -655,10 +655,13 @@ class KernelCache:
     EXPORT_NAME = "kernel"
 
     def __init__(self, build: Callable[[Any], Any], disk_dir: str | None = None,
-                 group: Callable[[Any], Iterable[Any]] | None = None, background: bool = False):
+                 group: Callable[[Any], Iterable[Any]] | None = None, background: bool = False,
+                 bootstrap: Callable[[Any], Any] | None = None):
         self._build = build
         self._group = group
         self._background = background
+        self._bootstrap = bootstrap
+        self._slots: dict[Any, KernelSlot] = {}
         self._fns: dict[Any, Any] = {}
         self._chosen: dict[Any, Any] = {}
         self._lock = threading.Lock()
@@ -677,6 +680,33 @@ class KernelCache:
             self.prefetch(others)
         return fn
 
+    def slot(self, key) -> "KernelSlot":
+        """A callable that runs ``key``'s kernel. Where ``bootstrap(key)`` names a kernel that
+        computes the same results but compiles faster, and ``key`` is neither in memory nor on
+        disk and builds in the background (a cold start), the slot runs the bootstrap kernel,
+        compiled here, while one background process compiles ``key``, then its group, into the
+        disk cache; the first call after that ends loads ``key`` and runs it from then on."""
+        slot = self._slots.get(key)
+        if slot is not None:
+            return slot
+        boot = self._bootstrap(key) if self._bootstrap is not None else None
+        if boot is not None and key not in self._fns and self._builds_in_background() \
+                and not self._path(key).with_suffix(".choice").exists():
+            # one child builds the key, then its group (the bootstrap's own group is not built)
+            done = threading.Event()
+            group = [other for other in (self._group(key) if self._group else ()) if other != key]
+            missing = [other for other in group if not self._path(other).with_suffix(".choice").exists()]
+            _BACKGROUND.submit(str(self._disk), [key, *missing], done=done, first=True)
+            fn = self._get_one(boot)
+            slot = KernelSlot(self, key, fn, self._chosen.get(boot), done)
+        else:
+            slot = KernelSlot(self, key, self.get(key), self.chosen(key))
+        return self._slots.setdefault(key, slot)
+
+    def _builds_in_background(self) -> bool:
+        return (self._background and self._disk is not None
+                and os.environ.get("CUTE_ATTN_BACKGROUND_BUILD", "1") != "0")
+
     def prefetch(self, keys, now_otherwise: bool = True) -> None:
         """Make ``keys`` ready for a later ``get`` without compiling them here when this cache has
         a disk directory and background builds are on: a background process compiles the ones
@@ -685,7 +715,7 @@ class KernelCache:
         keys = [key for key in keys if key not in self._fns]
         if not keys:
             return
-        if self._background and self._disk is not None and os.environ.get("CUTE_ATTN_BACKGROUND_BUILD", "1") != "0":
+        if self._builds_in_background():
             missing = [key for key in keys if not self._path(key).with_suffix(".choice").exists()]
             if missing:
                 _BACKGROUND.submit(str(self._disk), missing)
@@ -746,6 +776,7 @@ class KernelCache:
     def clear(self) -> None:
         with self._lock:
             self._fns.clear()
+            self._slots.clear()
 
     # -- disk
     def _path(self, key) -> Path:
@@ -812,6 +843,31 @@ class KernelCache:
             return False
 
 
+class KernelSlot:
+    """``KernelCache.slot``'s callable: ``traits`` are the candidate compiled (the bootstrap's
+    while it runs; both compute the same results with the same launch arguments)."""
+
+    __slots__ = ("_cache", "_key", "fn", "traits", "_pending")
+
+    def __init__(self, cache: KernelCache, key, fn, traits, pending: threading.Event | None = None):
+        self._cache, self._key, self.fn, self.traits, self._pending = cache, key, fn, traits, pending
+
+    @property
+    def bootstrapped(self) -> bool:
+        """Whether the bootstrap kernel still runs (the background build has not ended)."""
+        return self._pending is not None
+
+    def current(self):
+        """The kernel to run now: the key's once its background build has ended (loaded from the
+        disk cache, or compiled here if that build failed), the bootstrap's until then."""
+        if self._pending is not None and self._pending.is_set():
+            self.fn, self.traits, self._pending = self._cache.get(self._key), self._cache.chosen(self._key), None
+        return self.fn
+
+    def __call__(self, *args):
+        return self.current()(*args)
+
+
 class _BackgroundBuilds:
     """Compiles keys into a disk cache in child processes (``python -c``, not multiprocessing,
     which would re-run an unguarded ``__main__``), each job in its own child, at most
@@ -830,9 +886,11 @@ class _BackgroundBuilds:
         self._threads: list[threading.Thread] = []
         self._busy = 0
 
-    def submit(self, disk_dir: str, keys: list) -> None:
+    def submit(self, disk_dir: str, keys: list, done: threading.Event | None = None, first: bool = False) -> None:
+        """Compile ``keys`` into ``disk_dir`` in a child; ``done`` is set when the child ends
+        (whether or not it built them); ``first``: ahead of the jobs still waiting."""
         with self._cond:
-            self._jobs.append((disk_dir, keys))
+            self._jobs.insert(0 if first else len(self._jobs), (disk_dir, keys, done))
             if len(self._threads) < min(self._workers, len(self._jobs) + self._busy):
                 thread = threading.Thread(target=self._run, name="cute_attn-background-build", daemon=True)
                 self._threads.append(thread)
@@ -851,7 +909,7 @@ class _BackgroundBuilds:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._jobs)
-                disk_dir, keys = self._jobs.pop(0)
+                disk_dir, keys, done = self._jobs.pop(0)
                 self._busy += 1
             try:
                 os.makedirs(disk_dir, exist_ok=True)
@@ -861,6 +919,8 @@ class _BackgroundBuilds:
                                    timeout=1800)
             except Exception:  # a failed background build costs only the prefetch: get() builds
                 pass
+            if done is not None:
+                done.set()
             with self._cond:
                 self._busy -= 1
                 self._cond.notify_all()
@@ -1061,7 +1121,20 @@ def forward_split_key(target: str, dtype: str, head_dim: int, causal: bool, feat
     return forward_key(target, dtype, head_dim, causal, features=decode)
 
 
-forward_cache = KernelCache(build_forward, default_cache_dir(), group=forward_tier_siblings, background=True)
+def forward_bootstrap_key(key: ForwardKey) -> ForwardKey | None:
+    """The kernel a cold start runs while ``key`` compiles in the background (KernelCache.slot):
+    an SM90 forward with the intra-warpgroup overlap, as the same traits without it. Its results
+    are bitwise the same (the overlap reorders instructions, not arithmetic: tests/
+    test_forward_gpu.py) and it compiles ~20% faster (H100's host, d128 causal: 2.0-2.4 s against
+    2.8-4.2 s; docs/performance.md), running 5-13% slower until the full kernel lands. None for
+    keys of several candidates (the bootstrap could take another one)."""
+    if key.kernel != "sm90" or len(key.candidates) != 1 or not key.candidates[0].intra_wg_overlap:
+        return None
+    return dataclasses.replace(key, candidates=(dataclasses.replace(key.candidates[0], intra_wg_overlap=False),))
+
+
+forward_cache = KernelCache(build_forward, default_cache_dir(), group=forward_tier_siblings, background=True,
+                            bootstrap=forward_bootstrap_key)
 backward_cache = KernelCache(build_backward, default_cache_dir(), group=backward_tier_siblings, background=True)
 
 

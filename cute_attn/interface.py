@@ -471,13 +471,14 @@ def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, m
         page_size=page_size,
     )
     assert key.kernel == "sm90" or not opts.features.paged, "a paged cache's SM80 kernel: _decode_launcher"
-    kernel = compile_mod.forward_cache.get(key)
+    # (a cold start runs a kernel that compiles faster until this one is built: KernelCache.slot)
+    kernel = compile_mod.forward_cache.slot(key) if traits is None else compile_mod.forward_cache.get(key)
     device, scale_log2 = q.device, opts.scale_log2
     extra, dynamic_tiles = (), False
     if key.kernel == "sm90":
         # causal tile order: a persistent grid goes head by head, one CTA per tile (or a dynamic
         # deal, which runs the same order) in L2-sized sections of heads (kernels/tile_scheduler.py)
-        chosen = compile_mod.forward_cache.chosen(key)
+        chosen = kernel.traits if traits is None else compile_mod.forward_cache.chosen(key)
         section, dynamic_tiles = 1, chosen.dynamic_tiles
         if opts.causal and (not chosen.persistent or dynamic_tiles):
             from cute_attn.traits import heads_per_section

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 
@@ -346,3 +347,44 @@ def test_builds_pause_the_garbage_collector():
     finally:
         gc.unfreeze()
     del frozen
+
+
+def test_bootstrap_keys_drop_only_the_intra_warpgroup_overlap():
+    """compile.forward_bootstrap_key: an SM90 table key with the overlap -> the same traits without
+    it (nothing else changes, so the launch arguments are the same); other keys have none."""
+    from cute_attn.compile import forward_bootstrap_key
+
+    for head_dim, causal in [(64, False), (128, True), (256, False)]:
+        key = forward_key("sm_90a", "bf16", head_dim, causal, kernel="sm90", seqlen=2048)
+        boot = forward_bootstrap_key(key)
+        assert boot.candidates == (replace(key.candidates[0], intra_wg_overlap=False),)
+        assert replace(boot, candidates=key.candidates) == key and boot.name != key.name
+        assert forward_bootstrap_key(boot) is None
+    assert forward_bootstrap_key(SMALL) is None  # SM80
+    two = replace(forward_key("sm_90a", "bf16", 64, False, kernel="sm90"),
+                  candidates=(parse_traits("m128n128s2", 64), parse_traits("m64n128s2", 64)))
+    assert forward_bootstrap_key(two) is None  # several candidates: the bootstrap could take another
+
+
+def test_a_cold_start_runs_the_bootstrap_until_its_key_is_built(tmp_path, monkeypatch):
+    """KernelCache.slot on a cold disk cache: the bootstrap is compiled here and runs while a
+    background process compiles the key; the first use after that loads the key. A warm cache,
+    or no background builds, gives the key's own kernel at once."""
+    from cute_attn.compile import build_forward, forward_bootstrap_key
+
+    monkeypatch.delenv("CUTE_ATTN_BACKGROUND_BUILD", raising=False)
+    key = forward_key("sm_90a", "bf16", 32, True, kernel="sm90", seqlen=1024)
+    cache = KernelCache(build_forward, str(tmp_path), background=True, bootstrap=forward_bootstrap_key)
+    slot = cache.slot(key)
+    assert slot.bootstrapped and key not in cache and forward_bootstrap_key(key) in cache
+    assert slot.traits == forward_bootstrap_key(key).candidates[0] and cache.builds == 1
+    assert cache.slot(key) is slot
+    assert compile_mod.wait_for_background_builds(600)
+    assert slot.current() is cache.get(key) and not slot.bootstrapped
+    assert slot.traits == key.candidates[0] and (cache.builds, cache.loads) == (1, 1), (
+        (tmp_path / "background.log").read_text()[-2000:])
+    warm = KernelCache(build_forward, str(tmp_path), background=True, bootstrap=forward_bootstrap_key)
+    assert not warm.slot(key).bootstrapped and (warm.builds, warm.loads) == (0, 1)
+    monkeypatch.setenv("CUTE_ATTN_BACKGROUND_BUILD", "0")
+    off = KernelCache(build_forward, str(tmp_path / "off"), background=True, bootstrap=forward_bootstrap_key)
+    assert not off.slot(key).bootstrapped and off.builds == 1

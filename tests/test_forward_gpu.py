@@ -183,3 +183,73 @@ def test_forward_sm90_other_traits(arch, head_dim, spec, causal):
         ref, same, ref_lse = reference_pair(q, k, v, causal)
         check_close("out", out, ref, same, 1e-5, case)
         check_lse(lse, ref_lse, case)
+
+
+# (head dim, causal, seqlen_q, seqlen_k, heads, heads_kv, window, softcap, alibi): the table's SM90
+# forward keys at each length tier, GQA, odd lengths and the features, for the bootstrap kernels
+BOOTSTRAP_CASES = [
+    (64, False, 2048, 2048, 4, 4, None, 0.0, False), (64, True, 1000, 1000, 6, 2, None, 0.0, False),
+    (64, True, 3000, 3000, 4, 1, None, 0.0, False), (64, True, 5000, 4999, 4, 4, None, 0.0, False),
+    (128, False, 700, 700, 4, 4, None, 0.0, False), (128, False, 2048, 2048, 4, 2, None, 0.0, False),
+    (128, True, 2048, 2048, 4, 4, None, 0.0, False), (128, True, 9000, 9000, 2, 2, None, 0.0, False),
+    (128, True, 1000, 1500, 4, 4, (256, 0), 0.0, False), (128, False, 1000, 1000, 4, 4, None, 30.0, False),
+    (128, True, 777, 777, 4, 4, None, 0.0, True), (64, False, 1000, 1000, 4, 4, (100, 50), 5.0, True),
+    (96, True, 1000, 1000, 4, 4, None, 0.0, False), (256, False, 1000, 1000, 4, 4, None, 0.0, False),
+    (32, False, 1000, 1000, 4, 4, None, 0.0, False), (192, True, 1000, 1000, 4, 4, None, 0.0, False),
+]
+
+
+def test_bootstrap_forward_is_bitwise_equal(arch):
+    """compile.forward_bootstrap_key's kernel (the table's SM90 forward without the intra-warpgroup
+    overlap, which a cold start runs while the table's compiles) writes the same bits as the
+    table's kernel: outputs and LSE, into poisoned buffers."""
+    import math
+
+    from cute_attn import compile as compile_mod
+    from cute_attn import dispatch, interface
+    from cute_attn.traits import sm90_tier_seqlen
+
+    if arch != "sm90":
+        pytest.skip("the bootstrap kernels are SM90 forwards")
+    plan = dispatch.plan_for_device(torch.device("cuda"))
+    for d, causal, sq, sk, heads, heads_kv, window, softcap, alibi in BOOTSTRAP_CASES:
+        case = f"d={d} causal={causal} sq={sq} sk={sk} h={heads}/{heads_kv} window={window} softcap={softcap} alibi={alibi}"
+        q, k, v = random_qkv(2, sq, sk, heads, heads_kv, d, torch.bfloat16)
+        scale = 1 / math.sqrt(d)
+        opts = interface._score_options(causal, scale, d, window or (-1, -1), softcap, alibi)
+        slopes = interface._alibi_slopes(torch.rand(heads, device="cuda") if alibi else None, 2, heads, q.device)
+        key = compile_mod.forward_key(plan.target, "bf16", d, opts.causal, plan.smem_capacity, kernel="sm90",
+                                      seqlen=sm90_tier_seqlen(sq, sk, opts.causal), features=opts.features)
+        boot = compile_mod.forward_bootstrap_key(key)
+        assert boot is not None, case
+        results = []
+        for traits in (key.candidates[0], boot.candidates[0]):
+            out, lse = poisoned_like(q), torch.full((2, heads, sq), float("nan"), device="cuda")
+            interface._forward_launcher(q, k, opts, traits, sq, sk)(q, k, v, out, lse, None, None, slopes)
+            results.append((out, lse))
+        (out, lse), (boot_out, boot_lse) = results
+        assert not out.isnan().any(), case
+        assert torch.equal(out, boot_out) and torch.equal(lse, boot_lse), case
+
+
+def test_a_cold_forward_runs_the_bootstrap_then_the_table_kernel(arch, tmp_path, monkeypatch):
+    """A cold disk cache: the first forward runs the bootstrap kernel while a background process
+    builds the table's; once that lands, the same call runs the table's kernel, with the same bits."""
+    from cute_attn import compile as compile_mod
+    from cute_attn import interface
+
+    if arch != "sm90":
+        pytest.skip("the bootstrap kernels are SM90 forwards")
+    monkeypatch.delenv("CUTE_ATTN_BACKGROUND_BUILD", raising=False)
+    cache = compile_mod.KernelCache(compile_mod.build_forward, str(tmp_path), group=compile_mod.forward_tier_siblings,
+                                    background=True, bootstrap=compile_mod.forward_bootstrap_key)
+    monkeypatch.setattr(compile_mod, "forward_cache", cache)
+    monkeypatch.setattr(interface, "_FORWARD_LAUNCHES", {})
+    q, k, v = random_qkv(2, 1000, 1000, 4, 2, 128, torch.bfloat16)
+    first = cute_attn.forward(q, k, v, causal=True)
+    (slot,) = cache._slots.values()
+    assert slot.bootstrapped
+    assert compile_mod.wait_for_background_builds(900)
+    again = cute_attn.forward(q, k, v, causal=True)
+    assert not slot.bootstrapped and slot.traits.intra_wg_overlap and cache.loads >= 1
+    assert torch.equal(first, again)
