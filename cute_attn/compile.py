@@ -690,13 +690,11 @@ class KernelCache:
         if slot is not None:
             return slot
         boot = self._bootstrap(key) if self._bootstrap is not None else None
-        if boot is not None and key not in self._fns and self._builds_in_background() \
-                and not self._path(key).with_suffix(".choice").exists():
+        if boot is not None and key not in self._fns and self._builds_in_background() and self._not_on_disk([key]):
             # one child builds the key, then its group (the bootstrap's own group is not built)
             done = threading.Event()
             group = [other for other in (self._group(key) if self._group else ()) if other != key]
-            missing = [other for other in group if not self._path(other).with_suffix(".choice").exists()]
-            _BACKGROUND.submit(str(self._disk), [key, *missing], done=done, first=True)
+            _BACKGROUND.submit(str(self._disk), [key, *self._not_on_disk(group)], done=done, first=True)
             fn = self._get_one(boot)
             slot = KernelSlot(self, key, fn, self._chosen.get(boot), done)
         else:
@@ -707,6 +705,10 @@ class KernelCache:
         return (self._background and self._disk is not None
                 and os.environ.get("CUTE_ATTN_BACKGROUND_BUILD", "1") != "0")
 
+    def _not_on_disk(self, keys) -> list:
+        """The keys whose disk entry is not there, nor being written (its choice file comes first)."""
+        return [key for key in keys if not self._path(key).with_suffix(".choice").exists()]
+
     def prefetch(self, keys, now_otherwise: bool = True) -> None:
         """Make ``keys`` ready for a later ``get`` without compiling them here when this cache has
         a disk directory and background builds are on: a background process compiles the ones
@@ -716,7 +718,7 @@ class KernelCache:
         if not keys:
             return
         if self._builds_in_background():
-            missing = [key for key in keys if not self._path(key).with_suffix(".choice").exists()]
+            missing = self._not_on_disk(keys)
             if missing:
                 _BACKGROUND.submit(str(self._disk), missing)
             return
