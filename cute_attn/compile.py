@@ -609,7 +609,7 @@ def _build_forward_traits(key: ForwardKey, t, keep_artifacts: bool):
             dtype, key.head_dim, t.tile_m, t.tile_n, t.num_stages, key.causal, key.check_hdim,
             intra_wg_overlap=t.intra_wg_overlap, pingpong=t.pingpong, persistent=t.persistent,
             overlap_tiles=t.overlap_tiles, kv_multicast=t.kv_multicast, features=key.features,
-            dynamic_tiles=t.dynamic_tiles,
+            dynamic_tiles=t.dynamic_tiles, mask_every_block=t.mask_every_block,
         )
         ptxas = ""
     else:
@@ -1125,14 +1125,17 @@ def forward_split_key(target: str, dtype: str, head_dim: int, causal: bool, feat
 
 def forward_bootstrap_key(key: ForwardKey) -> ForwardKey | None:
     """The kernel a cold start runs while ``key`` compiles in the background (KernelCache.slot):
-    an SM90 forward with the intra-warpgroup overlap, as the same traits without it. Its results
-    are bitwise the same (the overlap reorders instructions, not arithmetic: tests/
-    test_forward_gpu.py) and it compiles ~20% faster (H100's host, d128 causal: 2.0-2.4 s against
-    2.8-4.2 s; docs/performance.md), running 5-13% slower until the full kernel lands. None for
-    keys of several candidates (the bootstrap could take another one)."""
+    an SM90 forward with the intra-warpgroup overlap, as the same traits without it and with every
+    K/V block through the masked path (``mask_every_block``). Its results are bitwise the same
+    (the overlap reorders instructions, not arithmetic; the masks are no-ops inside the edges:
+    tests/test_forward_gpu.py) and it compiles faster (d128 causal: 2.0 s against 2.7 s on the
+    H100's host, 0.88 against 1.5-1.7 s on the CPU machine; docs/performance.md), running up to 25%
+    slower until the full kernel lands.
+    None for keys of several candidates (the bootstrap could take another one)."""
     if key.kernel != "sm90" or len(key.candidates) != 1 or not key.candidates[0].intra_wg_overlap:
         return None
-    return dataclasses.replace(key, candidates=(dataclasses.replace(key.candidates[0], intra_wg_overlap=False),))
+    boot = dataclasses.replace(key.candidates[0], intra_wg_overlap=False, mask_every_block=True)
+    return dataclasses.replace(key, candidates=(boot,))
 
 
 forward_cache = KernelCache(build_forward, default_cache_dir(), group=forward_tier_siblings, background=True,

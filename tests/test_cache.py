@@ -351,15 +351,19 @@ def test_builds_pause_the_garbage_collector():
 
 def test_bootstrap_keys_drop_only_the_intra_warpgroup_overlap():
     """compile.forward_bootstrap_key: an SM90 table key with the overlap -> the same traits without
-    it (nothing else changes, so the launch arguments are the same); other keys have none."""
+    it and with every block masked (nothing else changes, so the launch arguments are the same);
+    other keys have none."""
     from cute_attn.compile import forward_bootstrap_key
 
     for head_dim, causal in [(64, False), (128, True), (256, False)]:
         key = forward_key("sm_90a", "bf16", head_dim, causal, kernel="sm90", seqlen=2048)
         boot = forward_bootstrap_key(key)
-        assert boot.candidates == (replace(key.candidates[0], intra_wg_overlap=False),)
+        assert boot.candidates == (replace(key.candidates[0], intra_wg_overlap=False, mask_every_block=True),)
+        assert parse_traits(boot.candidates[0].spec, head_dim) == boot.candidates[0]
         assert replace(boot, candidates=key.candidates) == key and boot.name != key.name
         assert forward_bootstrap_key(boot) is None
+    with pytest.raises(ValueError, match="needs 'o0'"):
+        parse_traits("m128n128s2mb", 128)  # the masked loop is the serial path's
     assert forward_bootstrap_key(SMALL) is None  # SM80
     two = replace(forward_key("sm_90a", "bf16", 64, False, kernel="sm90"),
                   candidates=(parse_traits("m128n128s2", 64), parse_traits("m64n128s2", 64)))

@@ -16,6 +16,7 @@ from cute_attn.compile import (
     backward_variants,
     build,
     build_forward,
+    forward_bootstrap_key,
     forward_key,
     forward_variants,
     sm90_split_dkv_fp32,
@@ -69,6 +70,9 @@ def _keys(all_variants):
     ] + [  # varlen with seqused_k and the other score features, both families
         forward_key("sm_90a", "bf16", 128, True, kernel="sm90", features=VARLEN_ALL),
         forward_key("sm_80", "fp16", 64, False, features=VARLEN_ALL),
+    ] + [  # a cold start's bootstrap kernels (one loop, every block masked): plain causal, every feature
+        forward_bootstrap_key(forward_key("sm_90a", "bf16", 128, True, kernel="sm90")),
+        forward_bootstrap_key(forward_key("sm_90a", "bf16", 128, True, kernel="sm90", features=VARLEN_ALL)),
     ]
 
 

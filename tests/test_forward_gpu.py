@@ -4,6 +4,8 @@ Every test runs once per forward kernel family the GPU can run (``arch``): SM80 
 on compute capability 9.0.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -197,12 +199,18 @@ BOOTSTRAP_CASES = [
     (96, True, 1000, 1000, 4, 4, None, 0.0, False), (256, False, 1000, 1000, 4, 4, None, 0.0, False),
     (32, False, 1000, 1000, 4, 4, None, 0.0, False), (192, True, 1000, 1000, 4, 4, None, 0.0, False),
 ]
+# (head dim, causal, per-sequence query lengths, key lengths, heads, heads_kv): varlen batches
+BOOTSTRAP_VARLEN_CASES = [
+    (128, True, (17, 0, 300, 1000), (17, 5, 450, 1000), 4, 4),
+    (64, False, (129, 1, 2000), (1000, 1, 2000), 8, 2),
+]
 
 
 def test_bootstrap_forward_is_bitwise_equal(arch):
     """compile.forward_bootstrap_key's kernel (the table's SM90 forward without the intra-warpgroup
-    overlap, which a cold start runs while the table's compiles) writes the same bits as the
-    table's kernel: outputs and LSE, into poisoned buffers."""
+    overlap and with every block through the masked path, which a cold start runs while the
+    table's compiles) writes the same bits as the table's kernel: outputs and LSE, into poisoned
+    buffers, dense and varlen."""
     import math
 
     from cute_attn import compile as compile_mod
@@ -226,6 +234,23 @@ def test_bootstrap_forward_is_bitwise_equal(arch):
         for traits in (key.candidates[0], boot.candidates[0]):
             out, lse = poisoned_like(q), torch.full((2, heads, sq), float("nan"), device="cuda")
             interface._forward_launcher(q, k, opts, traits, sq, sk)(q, k, v, out, lse, None, None, slopes)
+            results.append((out, lse))
+        (out, lse), (boot_out, boot_lse) = results
+        assert not out.isnan().any(), case
+        assert torch.equal(out, boot_out) and torch.equal(lse, boot_lse), case
+    for d, causal, lens_q, lens_k, heads, heads_kv in BOOTSTRAP_VARLEN_CASES:
+        case = f"varlen d={d} causal={causal} lens_q={lens_q} lens_k={lens_k} h={heads}/{heads_kv}"
+        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+                      for lens in (lens_q, lens_k))
+        q, k, v = random_qkv(1, sum(lens_q), sum(lens_k), heads, heads_kv, d, torch.bfloat16)
+        opts = interface._score_options(causal, 1 / math.sqrt(d), d, varlen=True)
+        key = compile_mod.forward_key(plan.target, "bf16", d, opts.causal, plan.smem_capacity, kernel="sm90",
+                                      seqlen=sm90_tier_seqlen(max(lens_q), max(lens_k), opts.causal),
+                                      features=opts.features)
+        results = []
+        for traits in (key.candidates[0], compile_mod.forward_bootstrap_key(key).candidates[0]):
+            out, lse = poisoned_like(q), torch.full((1, heads, sum(lens_q)), float("nan"), device="cuda")
+            interface._forward_launcher(q, k, opts, traits, max(lens_q), max(lens_k))(q, k, v, out, lse, cu_q, cu_k, None)
             results.append((out, lse))
         (out, lse), (boot_out, boot_lse) = results
         assert not out.isnan().any(), case

@@ -106,10 +106,13 @@ class OnlineSoftmax:
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=self.threads_per_row)
             empty = total == 0.0 or total != total
             inv = cute.arch.rcp_approx(1.0 if empty else total)
+            # an explicit fma: left to the compiler, max * scale + log2 is fused or not depending on
+            # the code around it (a product of the last block's max reused, unfused), and kernels
+            # that must write the same bits would not (compile.forward_bootstrap_key)
             lse[r] = (
                 Float32.inf
                 if empty
-                else (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+                else cute.math.fma(self.row_max[r], self.scale_log2, cute.math.log2(total, fastmath=True)) * LN2
             )
             O[r, None].store(O[r, None].load() * (0.0 if empty else inv))
         return lse

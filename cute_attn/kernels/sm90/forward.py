@@ -108,6 +108,7 @@ class FlashAttentionForwardSm90:
         kv_multicast: bool = False,
         features: Features = NO_FEATURES,
         dynamic_tiles: bool = False,
+        mask_every_block: bool = False,
     ):
         assert tile_m % 64 == 0 and tile_m // 64 in REGISTER_SPLIT, "tile_m: 64, 128 or 192"
         assert tile_n % 16 == 0 and head_dim % 16 == 0 and tile_n <= 256
@@ -143,6 +144,13 @@ class FlashAttentionForwardSm90:
         # while the next tile's loads still overlap this one's epilogue
         self.dynamic_tiles = dynamic_tiles and persistent
         assert not (self.dynamic_tiles and self.overlap_tiles), "dynamic tiles: without overlapping tiles"
+        # mask_every_block (the bootstrap kernel, without the overlap): one loop over a tile's K/V
+        # blocks, each through the masked path, in place of the masked / unmasked / masked walk.
+        # The masks change nothing in a block inside the edges and the softmax's -inf guard
+        # nothing in a row with a finite max, so the bits are the same; one copy of the block's
+        # code instead of two (three with a window) compiles ~20-30% faster
+        assert not (mask_every_block and intra_wg_overlap), "mask_every_block: without intra-warpgroup overlap"
+        self.mask_every_block = mask_every_block
         # kv_multicast: both CTAs of a cluster must walk the same K/V blocks, which causal Q blocks
         # do not (each sees a different number of keys)
         assert not (kv_multicast and causal), "K/V multicast is for non-causal attention"
@@ -922,13 +930,17 @@ class FlashAttentionForwardSm90:
                 pipe_q.consumer_wait(q_state)
                 clear_v_tail(kv, seq.seqlen_k, n_block_max - 1)
                 self._scheduler_sync(wg)
-                for i in cutlass.range(n_masked_right, unroll=1):
-                    kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
-                for i in cutlass.range(n_unmasked, unroll=1):
-                    kv = self._attend_serial(ctx, kv, n_block_max - n_masked_right - 1 - i, masked=False)
-                if const_expr(self.features.local):
-                    for i in cutlass.range(n_masked_left, unroll=1):
-                        kv = self._attend_serial(ctx, kv, n_left_start - 1 - i, masked=True)
+                if const_expr(self.mask_every_block):
+                    for i in cutlass.range(n_masked_right + n_unmasked + n_masked_left, unroll=1):
+                        kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
+                else:
+                    for i in cutlass.range(n_masked_right, unroll=1):
+                        kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
+                    for i in cutlass.range(n_unmasked, unroll=1):
+                        kv = self._attend_serial(ctx, kv, n_block_max - n_masked_right - 1 - i, masked=False)
+                    if const_expr(self.features.local):
+                        for i in cutlass.range(n_masked_left, unroll=1):
+                            kv = self._attend_serial(ctx, kv, n_left_start - 1 - i, masked=True)
                 self._scheduler_arrive_next(wg)
                 if const_expr(self.persistent):
                     pipe_q.consumer_release(q_state)
