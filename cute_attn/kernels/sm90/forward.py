@@ -892,27 +892,19 @@ class FlashAttentionForwardSm90:
                 clear_v_tail(kv, first_seq.seqlen_k, first_walk[0] - 1)
         while tile < num_tiles:
             m_block, head, _, seq, walk = tiles(tile)
-            n_block_max, n_masked_right, n_unmasked, n_masked_left = walk
+            n_block_max = walk[0]
             mask = mask_of(m_block, head, seq)
             tSrQ_tile = tSrQ[None, None, None, q_state.index]
             ctx = (mma_qk, mma_pv, thr_qk, tSrQ_tile, tSrK, tOrVt, tOrP, acc_O, softmax, mask, pipe_k, pipe_v, wg)
-            # From n_block_max - 1 down (block_info.forward_walk): n_masked_right blocks cross the
-            # seqlen_k end or the right edge (causal diagonal / window; non-causal: only the first),
-            # n_unmasked need no mask, then (local) n_masked_left cross the window's left edge.
-            n_left_start = n_block_max - n_masked_right - n_unmasked  # one past the first left-masked block
+            # From n_block_max - 1 down (block_info.forward_walk, ``_walk_blocks``)
             if const_expr(self.intra_wg_overlap):
                 if const_expr(not self.overlap_tiles):
                     self._start_tile(acc_O, softmax)
                     pipe_q.consumer_wait(q_state)
                     self._first_block(mma_qk, thr_qk, tSrQ_tile, tSrK, tOrP, softmax, mask, pipe_k, kv, n_block_max - 1)
                     clear_v_tail(kv, seq.seqlen_k, n_block_max - 1)
-                for i in cutlass.range(n_masked_right - 1, unroll=1):
-                    kv = self._attend_overlapped(ctx, kv, n_block_max - 2 - i, masked=True)
-                for i in cutlass.range(n_unmasked, unroll=1):
-                    kv = self._attend_overlapped(ctx, kv, n_block_max - n_masked_right - 1 - i, masked=False)
-                if const_expr(self.features.local):
-                    for i in cutlass.range(n_masked_left, unroll=1):
-                        kv = self._attend_overlapped(ctx, kv, n_left_start - 1 - i, masked=True)
+                # (the first block's S is in flight: the walk goes on from the block below it)
+                kv = self._walk_blocks(self._attend_overlapped, ctx, kv, walk, first=1)
                 if const_expr(self.persistent):
                     pipe_q.consumer_release(q_state)  # every Q K^T of this tile has completed
                 q_state.advance()
@@ -930,17 +922,7 @@ class FlashAttentionForwardSm90:
                 pipe_q.consumer_wait(q_state)
                 clear_v_tail(kv, seq.seqlen_k, n_block_max - 1)
                 self._scheduler_sync(wg)
-                if const_expr(self.mask_every_block):
-                    for i in cutlass.range(n_masked_right + n_unmasked + n_masked_left, unroll=1):
-                        kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
-                else:
-                    for i in cutlass.range(n_masked_right, unroll=1):
-                        kv = self._attend_serial(ctx, kv, n_block_max - 1 - i, masked=True)
-                    for i in cutlass.range(n_unmasked, unroll=1):
-                        kv = self._attend_serial(ctx, kv, n_block_max - n_masked_right - 1 - i, masked=False)
-                    if const_expr(self.features.local):
-                        for i in cutlass.range(n_masked_left, unroll=1):
-                            kv = self._attend_serial(ctx, kv, n_left_start - 1 - i, masked=True)
+                kv = self._walk_blocks(self._attend_serial, ctx, kv, walk, first=0)
                 self._scheduler_arrive_next(wg)
                 if const_expr(self.persistent):
                     pipe_q.consumer_release(q_state)
@@ -951,6 +933,28 @@ class FlashAttentionForwardSm90:
             tile = next_tile_
         if self._issues_store(tidx):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO stays valid until the last store read it
+
+    @cute.jit
+    def _walk_blocks(self, attend, ctx, kv, walk, first: cutlass.Constexpr[int]):
+        """``attend`` each K/V block of a tile's ``walk`` (block_info.forward_walk) but its top
+        ``first`` ones (already issued), from n_block_max - 1 down: n_masked_right crossing the
+        seqlen_k end or the right edge (causal diagonal / window; non-causal: only the first),
+        n_unmasked needing no mask, then (local) n_masked_left crossing the window's left edge.
+        ``mask_every_block``: all of them through the masked path, in one loop."""
+        n_block_max, n_masked_right, n_unmasked, n_masked_left = walk
+        if const_expr(self.mask_every_block):
+            for i in cutlass.range(n_masked_right + n_unmasked + n_masked_left - first, unroll=1):
+                kv = attend(ctx, kv, n_block_max - 1 - first - i, masked=True)
+        else:
+            n_left_start = n_block_max - n_masked_right - n_unmasked  # one past the first left-masked block
+            for i in cutlass.range(n_masked_right - first, unroll=1):
+                kv = attend(ctx, kv, n_block_max - 1 - first - i, masked=True)
+            for i in cutlass.range(n_unmasked, unroll=1):
+                kv = attend(ctx, kv, n_block_max - n_masked_right - 1 - i, masked=False)
+            if const_expr(self.features.local):
+                for i in cutlass.range(n_masked_left, unroll=1):
+                    kv = attend(ctx, kv, n_left_start - 1 - i, masked=True)
+        return kv
 
     @cute.jit
     def _clear_v_tail(self, pipe_v, sV: cute.Tensor, wg, kv, seqlen_k: Int32, n_block: Int32):
