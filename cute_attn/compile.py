@@ -377,7 +377,8 @@ def _fake_decode_args(features: Features) -> tuple:
     cache_leftpad, cache_batch_idx ((batch,) int32, kvcache only; its cache_seqlens are the feature
     args' keys used per sequence), the block table
     ((batch, max_pages) int32, paged only), the split-KV accumulators (O (splits, batch, seqlen_q,
-    heads, d) and LSE (splits, batch, heads, seqlen_q) fp32, contiguous; split only) and num_splits."""
+    heads, d) and LSE (splits, batch, heads, seqlen_q) fp32, contiguous; split only), num_splits,
+    the per-tile split counters ((tiles,) int32; split only) and merge_in_cta."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -388,14 +389,16 @@ def _fake_decode_args(features: Features) -> tuple:
         batch = sym()
         per_seq = tuple(make_fake_tensor(cutlass.Int32, (batch,), stride=(1,), assumed_align=4) for _ in range(2))
     table = _fake_page_table(features)
-    o_accum = lse_accum = None
+    o_accum = lse_accum = counter = None
     if features.split:
         splits, batch, seqlen_q, heads, head_dim = (sym() for _ in range(5))
+        # (strides of whole 16-byte chunks: the in-CTA merge reads the partials 128 bits at a time)
         o_accum = make_fake_tensor(cutlass.Float32, (splits, batch, seqlen_q, heads, head_dim),
-                                   stride=(sym64(), sym64(), sym64(), sym64(), 1), assumed_align=16)
+                                   stride=tuple(sym64(divisibility=4) for _ in range(4)) + (1,), assumed_align=16)
         lse_accum = make_fake_tensor(cutlass.Float32, (splits, batch, heads, seqlen_q),
                                      stride=(sym64(), sym64(), sym64(), 1), assumed_align=4)
-    return (*per_seq, table, o_accum, lse_accum, cutlass.Int32(1))
+        counter = make_fake_tensor(cutlass.Int32, (sym(),), stride=(1,), assumed_align=4)
+    return (*per_seq, table, o_accum, lse_accum, cutlass.Int32(1), counter, cutlass.Int32(0))
 
 
 def _fake_page_table(features: Features):

@@ -487,7 +487,7 @@ def _forward_launcher(q, k, opts: _Scores, traits=None, max_seqlen_q: int = 0, m
         extra = (plan.num_sms, section)
     scalars = opts.kernel_scalars(max_seqlen_q)
     # the SM80 kernel's decode arguments (KV cache, pages, split-KV: compiled out here)
-    decode = (None, None, None, None, None, 1) if key.kernel == "sm80" else ()
+    decode = (None, None, None, None, None, 1, None, 0) if key.kernel == "sm80" else ()
 
     def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None, block_table=None):
         with torch.cuda.device(device):
@@ -654,6 +654,40 @@ def decode_slots(num_sms: int, traits, smem_capacity: int | None = None, page_si
     return num_sms * per_sm
 
 
+def decode_merges_in_cta(tile_rows: int, num_warps: int) -> bool:
+    """Whether a split decode launch whose tiles hold at most ``tile_rows`` rows merges its splits
+    in the kernel (the SM80 forward's _merge_splits, when its row merge covers the rows in one pass:
+    32 / SPLIT_MERGE_LANES_PER_ROW rows per warp) rather than in the combine kernel. The in-kernel
+    merge saves the combine's launch and the gap before it (a decode step's 1-16 rows per tile); a
+    tile of more rows would merge in serial passes of L2 round trips on one SM, where the combine
+    kernel spreads the rows over the GPU."""
+    from cute_attn.traits import SPLIT_MERGE_LANES_PER_ROW
+
+    return tile_rows <= 32 // SPLIT_MERGE_LANES_PER_ROW * num_warps
+
+
+# Per (device, stream): the split tiles' counters of the in-CTA merge. Each launch leaves them at
+# zero (a tile's last split resets its own), so a stream's launches share one buffer in order and
+# no launch pays a memset; a graph being captured gets its own zeroed buffer (its memset is part of
+# the graph), since its replays may run on any stream.
+_SPLIT_COUNTERS: dict = {}
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (a CUDA build's; ~10x cheaper)
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    stream = _RAW_STREAM(device.index) if _RAW_STREAM else torch.cuda.current_stream(device).cuda_stream
+    key = (device.index, stream)
+    buf = _SPLIT_COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[key] = buf
+    return buf
+
+
 def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kvcache: bool, page_size: int = 0,
                      traits=None, varlen: tuple[int, int] | None = None):
     """The launch of the SM80-family decode kernel (split-KV, packed GQA, KV cache) for validated
@@ -688,8 +722,10 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
     key = compile_mod.forward_key(plan.target, _DTYPE_NAMES[q.dtype], head_dim, opts.causal, plan.smem_capacity,
                                   traits=candidates, features=features, page_size=page_size)
     kernel = compile_mod.forward_cache.get(key)
+    tile_rows = min(tile_m, grid_seqlen_q * (group if pack else 1))
+    merge_in_cta = split and decode_merges_in_cta(tile_rows, candidates[0].num_warps)
     combine = None
-    if split:
+    if split:  # (fetched even where the kernel merges: another length must not compile it later)
         combine = compile_mod.combine_cache.get(compile_mod.combine_key(plan.target, _DTYPE_NAMES[q.dtype], head_dim))
     device, scale_log2 = q.device, opts.scale_log2
     scalars = opts.kernel_scalars(grid_seqlen_q)
@@ -699,14 +735,15 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
 
     def launch(q, k, v, out, lse, alibi_slopes, cache, cu_seqlens=(None, None)):
         seqused, leftpad, batch_idx, table = cache if cache is not None else (None, None, None, None)
-        o_accum = lse_accum = None
+        o_accum = lse_accum = counters = None
         if split:
             o_accum = torch.empty((num_splits, batch, seqlen_q, heads, head_dim), **f32)
             lse_accum = torch.empty((num_splits, batch, heads, seqlen_q), **f32)
+            counters = _split_counters(device, ctas)
         with torch.cuda.device(device):
             kernel(q, k, v, out, lse, scale_log2, *cu_seqlens, seqused, alibi_slopes, *scalars, leftpad, batch_idx,
-                   table, o_accum, lse_accum, num_splits)
-            if split:
+                   table, o_accum, lse_accum, num_splits, counters, int(merge_in_cta))
+            if split and not merge_in_cta:
                 combine(o_accum, lse_accum, out, lse)
 
     return launch

@@ -218,6 +218,12 @@ SM80_DECODE = {
 }
 
 
+# Split-KV tiles whose rows fit one pass of the in-kernel merge (kernels/sm80/forward.py's
+# _merge_splits: this many lanes per row, so 32 / 8 = 4 rows per warp, 16 per 4-warp decode CTA)
+# are merged by their last split instead of by the combine kernel (interface.decode_merges_in_cta).
+SPLIT_MERGE_LANES_PER_ROW = 8
+
+
 def sm80_decode_traits(head_dim: int, smem_capacity: int | None = None, page_size: int = 0,
                        spec: str | None = None) -> tuple[ForwardTraits, ...]:
     """The decode candidates for ``head_dim`` (``spec``: one given instead, as in parse_traits),

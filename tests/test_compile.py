@@ -4,6 +4,7 @@ By default a representative subset per target; ``pytest --all-variants`` compile
 """
 
 import dataclasses
+import re
 
 import pytest
 
@@ -189,6 +190,14 @@ def test_forward_variant_compiles_to_expected_instructions(fwd_key):
         return
     if fwd_key.features.decode:  # the decode traits, wherever the family was asked for
         assert fwd_key.kernel == "sm80" and fwd_key.candidates[0].tile_m == 64
+    # split-KV: each tile's last split merges it in the kernel (one atomic on its counter, with
+    # the fences that publish and acquire the partials, read back 128 bits at a time); no other
+    # SM80 forward has atomics
+    body = "\n".join(line.split("//", 1)[0] for line in ptx.splitlines())
+    assert ("atom.global.add" in body) == fwd_key.features.split, f"{fwd_key.name}: split counter"
+    if fwd_key.features.split:
+        assert body.count("fence.acq_rel.gpu") == 2, fwd_key.name
+        assert re.search(r"\bld\.global(\.\w+)*\.v4\.(b|f)32\b", body), "the partials not in 128-bit loads"
     assert counts["mma.sync"] > 0, "no mma.sync.aligned.m16n8k16"
     assert counts["cp.async"] > 0, "no 128-bit cp.async"
     assert counts["ldmatrix"] > 0, "no ldmatrix"

@@ -256,3 +256,23 @@ def test_two_ctas_per_sm_where_one_waits():
     # B16 Sq4 H32/8 (128 packed CTAs): 2 splits with 16-key pages, none with 64-key ones
     assert interface.decode_num_splits(128, 256, slots(128, 16)) == 2
     assert interface.decode_num_splits(128, 256, slots(128, 64)) == 1
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS + (72,))
+def test_in_kernel_merge_covers_its_tiles_in_one_pass(head_dim):
+    """interface.decode_merges_in_cta sends a split launch to the kernel's own merge exactly where
+    the kernel's row merge covers a tile's rows in one pass, and that covers a decode step's tiles
+    (16 rows: GQA 4 at seqlen_q 4, GQA 16 at 1)."""
+    import cutlass
+
+    from cute_attn.kernels.features import Features
+    from cute_attn.kernels.sm80.forward import FlashAttentionForwardSm80
+
+    for t in sm80_decode_traits(head_dim, 227 * 1024):
+        kernel = FlashAttentionForwardSm80(cutlass.BFloat16, t.head_dim, t.tile_m, t.tile_n, t.num_warps,
+                                           t.num_stages, False, t.head_dim != head_dim,
+                                           features=Features(kvcache=True, split=True, pack_gqa=True))
+        rows = kernel.row_merge.rows_per_warp * t.num_warps
+        assert interface.decode_merges_in_cta(rows, t.num_warps)
+        assert not interface.decode_merges_in_cta(rows + 1, t.num_warps)
+        assert rows >= 16

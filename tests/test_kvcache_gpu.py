@@ -392,6 +392,77 @@ def test_return_softmax_lse_flag():
     assert torch.equal(out, again) and lse.shape == (3, 32, 4)
 
 
+# (seqlen_q, heads, heads_kv, head_dim): tiles of 1 row (MHA), 4 and 16 rows (GQA 4 at Sq 1 and 4),
+# 8 (MQA), a padded head dim; the in-kernel merge's one pass covers all of them
+MERGE_CASES = [(1, 16, 16, 128), (1, 32, 8, 128), (4, 32, 8, 64), (1, 8, 1, 256), (4, 16, 4, 72)]
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_split_merge_in_kernel_equals_combine_kernel(page_size, monkeypatch):
+    """A split launch whose tiles hold a decode step's few rows merges its splits in the kernel (the
+    tile's last split, interface.decode_merges_in_cta); the same calls through the combine kernel
+    agree with it and both with the reference, and every counter the merge used is back at zero."""
+    from cute_attn import interface
+
+    batch, capacity = 3, 2048
+    for seqlen_q, heads, heads_kv, head_dim in MERGE_CASES:
+        assert interface.decode_merges_in_cta(seqlen_q * (heads // heads_kv), 4)
+        q, k_cache, v_cache, _, _ = decode_inputs(batch, seqlen_q, heads, heads_kv, head_dim, capacity, BF16)
+        table = None
+        if page_size:
+            k_cache, v_cache, table = to_paged(k_cache, v_cache, page_size)
+        lengths = cache_lengths(batch, capacity)
+        outs = {}
+        for merged in (True, False):
+            monkeypatch.setattr(interface, "_DECODE_LAUNCHES", {})  # no launch remembered from the other rule
+            if not merged:
+                monkeypatch.setattr(interface, "decode_merges_in_cta", lambda tile_rows, num_warps: False)
+            for num_splits in (3, 16):
+                case = (f"merged={merged} page={page_size} sq={seqlen_q} h={heads}/{heads_kv} d={head_dim} "
+                        f"splits={num_splits} lens={lengths.tolist()}")
+                outs[merged, num_splits] = check_kvcache(q, k_cache, v_cache, case, num_splits=num_splits,
+                                                         cache_seqlens=lengths, block_table=table)
+            monkeypatch.undo()
+        for num_splits in (3, 16):
+            case = f"in-kernel merge vs combine kernel, sq={seqlen_q} h={heads}/{heads_kv} splits={num_splits}"
+            (out, lse, same), (out_c, lse_c, _) = outs[True, num_splits], outs[False, num_splits]
+            check_close("out vs the combine kernel's", out, out_c.float(), same, 1e-4, case)
+            check_lse(lse, lse_c, case)
+    torch.cuda.synchronize()
+    for buf in interface._SPLIT_COUNTERS.values():
+        assert not buf.any(), "split counters left non-zero"
+
+
+def test_split_merge_on_two_streams():
+    """Split decode calls queued on two streams at once, unsynchronised (each stream has its own
+    tile counters), each with its own inputs: every result is the reference's."""
+    from cute_attn import interface
+
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    batch, capacity = 1, 8192
+    inputs = [decode_inputs(batch, 1, 32, 8, 128, capacity, BF16)[:3] for _ in streams]
+    lengths = torch.tensor([capacity - 5], dtype=torch.int32, device="cuda")
+    refs = [attention_kvcache_reference(q, k, v, cache_seqlens=lengths) for q, k, v in inputs]
+    torch.cuda.synchronize()
+    outs = [[] for _ in streams]
+    for _ in range(8):
+        for i, stream in enumerate(streams):
+            stream.wait_stream(torch.cuda.current_stream())  # the inputs, made on the default stream
+            with torch.cuda.stream(stream):
+                q, k, v = inputs[i]
+                outs[i].append(cute_attn.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, num_splits=16,
+                                                                 return_softmax_lse=True))
+    torch.cuda.synchronize()
+    for i, (ref, ref_lse, _, _) in enumerate(refs):
+        q, k, v = inputs[i]
+        same = attention_kvcache_reference(q, k, v, cache_seqlens=lengths, compute_dtype=BF16)[0]
+        for j, (out, lse) in enumerate(outs[i]):
+            check_close("out", out, ref, same, 1e-4, f"stream {i} call {j}")
+            check_lse(lse, ref_lse, f"stream {i} call {j}")
+    for buf in interface._SPLIT_COUNTERS.values():
+        assert not buf.any(), "split counters left non-zero"
+
+
 # ---------------------------------------------------------------------------- CUDA graphs, no recompiles
 @pytest.mark.parametrize("page_size", [None, 64, 16])
 def test_cuda_graph_decode_step(page_size):

@@ -54,9 +54,11 @@ same tensors: SDPA flash and cuDNN (q/k/v transposed to (B, H, S, d), enable_gqa
 paged", paged rows), both with num_splits=0 (FA4's own split heuristic) where accepted, and
 FlashAttention-2's ``flash_attn_with_kvcache`` where importable. Every path is first checked
 against an fp32 reference (a wrong one is not timed). Timing: per-call CUDA events after an L2
-flush and a ~0.5 ms sleep kernel (so a path's host time, FA4's ~0.1 ms, does not count as GPU
-time), in shuffled rounds. ``--decode-latency``: wall time per call over back-to-back calls at B1
-Sq1 Sk4096 heads 32/8, the host-overhead bar (within 10% of SDPA flash). Writes
+flush (``--decode-flush``: clean, a 256 MB read, by default; zero, a 256 MB write as triton's
+``do_bench``, which leaves ~50 MB of dirty lines that each call then writes back) and a ~0.5 ms
+sleep kernel (so a path's host time, FA4's ~0.1 ms, does not count as GPU time), in shuffled
+rounds. ``--decode-latency``: wall time per call over back-to-back calls at B1 Sq1 Sk4096 heads
+32/8, the host-overhead bar (within 10% of SDPA flash). Writes
 bench_decode.json, bench_decode_sweep.json, bench_decode.png, bench_decode_latency.json.
 """
 
@@ -295,6 +297,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="wall time per call from Python over back-to-back calls at B1 Sq1 Sk4096 heads 32/8 "
                         "(host overhead); alone or with --decode")
     d.add_argument("--decode-latency-calls", type=int, default=2000)
+    d.add_argument("--decode-flush", choices=FLUSH_MODES, default="clean",
+                   help="how L2 is emptied before each timed decode call: clean (read 256 MB) or zero (write it, "
+                        "as triton's do_bench; the call then also writes back ~50 MB of dirty lines)")
     d.add_argument("--paged-varlen", action="store_true",
                    help="flash_attn_varlen_func(..., block_table) on PAGED_VARLEN_CASES (prefill chunks and decode "
                         "rows over a paged cache, causal, d --decode-head-dim, heads 32/8) beside FA4's "
@@ -308,6 +313,7 @@ def main(argv=None):
     if args.merge:
         print("\n".join(merge_lines(args.merge)))
         return
+    _FLUSH_MODE[0] = args.decode_flush
     if args.paged_varlen:
         return paged_varlen_rows(args)
     if args.decode or args.decode_latency:
@@ -924,13 +930,29 @@ def _decode_impls(shape: dict, dtype, mods: dict, num_sms: int, where: str):
 _FLUSH = []
 
 
+# How _gpu_ms empties L2 before each timed call (--decode-flush): "clean" reads a 256 MB buffer
+# (L2 then holds only clean lines, which the call's reads evict for free), "zero" writes it, as
+# triton's do_bench does (L2 then holds ~50 MB of dirty lines, which every implementation's call
+# writes back to HBM while it reads K/V: ~11 us of a 60 us decode call on the H100, measured).
+FLUSH_MODES = ("clean", "zero")
+_FLUSH_MODE = ["clean"]
+
+
+def _flush_l2(buf: torch.Tensor) -> None:
+    if _FLUSH_MODE[0] == "zero":
+        buf.zero_()
+    else:
+        buf.sum()  # reads all of it; writes one scalar
+
+
 def _gpu_ms(fn, rep_ms: float) -> float:
-    """Median milliseconds of one call on the GPU, as ``do_bench`` (a 256 MB write before each call
-    flushes L2, so K/V come from HBM) plus a ~0.5 ms sleep kernel queued before each timed call:
-    a decode call takes microseconds of GPU time and up to ~0.15 ms of host time (FA4's Python),
-    and without the sleep the host's time would show up between the start event and the kernel."""
+    """Median milliseconds of one call on the GPU, as ``do_bench`` (256 MB read or written before
+    each call flushes L2, so K/V come from HBM: ``_flush_l2``) plus a ~0.5 ms sleep kernel queued
+    before each timed call: a decode call takes microseconds of GPU time and up to ~0.15 ms of host
+    time (FA4's Python), and without the sleep the host's time would show up between the start
+    event and the kernel."""
     if not _FLUSH:
-        _FLUSH.append(torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda"))
+        _FLUSH.append(torch.zeros(256 * 2**20 // 4, dtype=torch.int32, device="cuda"))
     flush = _FLUSH[0]
     sleep = getattr(torch.cuda, "_sleep", lambda cycles: None)
     for _ in range(3):
@@ -946,7 +968,7 @@ def _gpu_ms(fn, rep_ms: float) -> float:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for i in range(n):
-        flush.zero_()
+        _flush_l2(flush)
         sleep(1_000_000)
         starts[i].record()
         fn()
@@ -1103,7 +1125,8 @@ def _decode_report(rows, copy, latency, args):
         except Exception:  # noqa: BLE001
             versions[key] = None
     timing = (f"--sustained {args.sustained:g} s of back-to-back calls, no L2 flush" if args.sustained
-              else "median of per-call CUDA-event timings, L2 flushed and a sleep kernel before each call")
+              else f"median of per-call CUDA-event timings, L2 flushed ({args.decode_flush}) and a sleep kernel "
+                   "before each call")
     print(f"\n{gpu}, {stamp}, " + ", ".join(f"{k} {v}" for k, v in versions.items() if v)
           + f", {args.dtype}, d {args.decode_head_dim}; {timing}; median of {args.rounds} rounds (shuffled order)")
     print(f"device copy (1 GiB dst.copy_(src), bytes read + written / time): {copy['tbs']:.2f} TB/s")

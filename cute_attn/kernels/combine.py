@@ -21,6 +21,10 @@ Layout of the work (memory-bound; each partial is read once, in 128-bit loads):
 - The row's LSE comes first, in every warp of the group (the LSEs are a few hundred bytes, read
   from L1): lane c reads splits c, c + threads_per_row, ..., max then sum of exp2, each reduced
   with shuffles over the row's lanes. No loop keeps per-split state: any number of splits works.
+- The partials of a warp's first trip of splits are loaded before the row's LSE is known, so that
+  their L2 round trip overlaps the LSEs'.
+The split forward merges a decode step's tiles itself with the same ``merge_row`` (kernels/sm80/
+forward.py, ``_merge_splits``: 8 lanes per row there, so that a tile's 16 rows take one pass).
 num_splits, batch, seqlen_q, heads and the actual head dim are run-time values; the padded head dim
 (columns past the actual one are neither read nor written when ``check_hdim``) and the dtype are
 compile-time. An empty split's partial output must be finite (the forward writes 0): its weight is
@@ -83,7 +87,7 @@ class SplitCombine:
     """Compile-time configuration of the combine kernel; ``__call__`` is the host-side launch."""
 
     def __init__(self, dtype: Type[cutlass.Numeric], head_dim_padded: int, check_hdim: bool, num_warps: int = 8,
-                 unroll: int = 4):
+                 unroll: int = 4, threads_per_row: int | None = None):
         assert head_dim_padded % 16 == 0 and 16 <= head_dim_padded <= 256, head_dim_padded
         assert num_warps & (num_warps - 1) == 0, num_warps
         self.dtype = dtype
@@ -93,6 +97,10 @@ class SplitCombine:
         self.num_threads = 32 * num_warps
         self.unroll = unroll  # splits (per warp) or LSEs (per lane) loaded per loop trip
         self.threads_per_row, self.chunks_per_thread = row_lanes(head_dim_padded)
+        if threads_per_row is not None:  # fewer lanes per row, more rows per warp (merge_in_cta)
+            assert threads_per_row <= self.threads_per_row and self.threads_per_row % threads_per_row == 0
+            self.chunks_per_thread *= self.threads_per_row // threads_per_row
+            self.threads_per_row = threads_per_row
         self.rows_per_warp = 32 // self.threads_per_row
 
     @cute.jit
@@ -135,17 +143,35 @@ class SplitCombine:
                sacc_layout: cute.Layout, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        tpr = self.threads_per_row
+        warp = tidx // 32
+        lane = tidx % 32
+        batch, seqlen_q, heads, head_dim = mO.shape
+        num_rows = batch * seqlen_q * heads
+        row = (cta * (self.num_warps // group) + warp // group) * self.rows_per_warp + lane // self.threads_per_row
+        # (a warp can hold several rows when threads_per_row < 32: all reach _row_lse's shuffles)
+        row_ok, b, i, h = clamped_row(row, num_rows, seqlen_q, heads)
+        sAcc = cutlass.memory.SmemAllocator().allocate(SharedStorage).sAcc.get_tensor(sacc_layout)
+        self.merge_row(mOAccum[None, b, i, None, None], mLSEAccum[None, b, h, i], mO[b, i, None, None], h,
+                       mLSE[b, None, None], (h, i), row_ok, group, sAcc, copy_acc, copy_out)
+
+    @cute.jit
+    def merge_row(self, o_splits: cute.Tensor, lse_splits: cute.Tensor, out_rows: cute.Tensor, h: Int32,
+                  lse_out: cute.Tensor, lse_coord, row_ok, group: Int32, sAcc: cute.Tensor,
+                  copy_acc: cute.TiledCopy, copy_out: cute.TiledCopy):
+        """Merge one row, (b, i, h) say, with the CTA's other rows: ``o_splits`` (num_splits, heads,
+        d) and ``lse_splits`` (num_splits,) its splits' partials, ``out_rows`` (heads, d) the output
+        rows of head ``h``'s (b, i), ``lse_out[lse_coord]`` its LSE. Warp ``w`` of the CTA holds
+        rows w // group (rows_per_warp of them, lane // threads_per_row) and splits w % group, ...;
+        ``group`` > 1 sums the warps' shares through ``sAcc`` ((num_warps, rows_per_warp, d) fp32)
+        behind a CTA barrier, so every thread of the CTA calls this the same number of times.
+        ``row_ok`` false: the lanes compute and store nothing (their row is a clamped copy)."""
+        tidx, _, _ = cute.arch.thread_idx()
         warp = tidx // 32
         lane = tidx % 32
         g = warp % group  # this warp's share of the splits: g, g + group, ...
-        r = lane // tpr  # row of the warp
-        c = lane % tpr  # column group of the row
-        batch, seqlen_q, heads, head_dim = mO.shape
-        num_rows = batch * seqlen_q * heads
-        row = (cta * (self.num_warps // group) + warp // group) * self.rows_per_warp + r
-        # (a warp can hold several rows when threads_per_row < 32: all reach _row_lse's shuffles)
-        row_ok, b, i, h = clamped_row(row, num_rows, seqlen_q, heads)
+        r = lane // self.threads_per_row  # row of the warp
+        c = lane % self.threads_per_row  # column group of the row
+        head_dim = out_rows.shape[1]
 
         tile = (1, self.head_dim)
         thr = copy_acc.get_slice(c)
@@ -154,11 +180,18 @@ class SplitCombine:
         acc.fill(0.0)
         # the 4-column chunks inside the actual head dim
         col_ok = [coords[0, 0, k][1] < head_dim for k in range(self.chunks_per_thread)]
-        lse_row = mLSEAccum[None, b, h, i]  # (num_splits,)
-        lse = self._row_lse(lse_row, c)
-        self._accumulate(acc, lse, lse_row, mOAccum[None, b, i, None, None], h, thr, col_ok, g, group)
+        # acc += exp(lse_s - lse) * O_s over this warp's splits (g, g + group, ...), ``unroll`` per
+        # trip; the first trip's loads go out before the row's LSE is known, so that their L2 round
+        # trip overlaps _row_lse's (a decode step's splits all fit one trip)
+        num_splits = cute.size(lse_splits)
+        trip = group * self.unroll
+        lses, parts = self._load_trip(lse_splits, o_splits, h, thr, col_ok, g, group)
+        lse = self._row_lse(lse_splits, c)
+        self._add_trip(acc, lse, num_splits, col_ok, g, group, lses, parts)
+        for base in cutlass.range(g + trip, num_splits, trip, unroll=1):
+            more_lses, more_parts = self._load_trip(lse_splits, o_splits, h, thr, col_ok, base, group)
+            self._add_trip(acc, lse, num_splits, col_ok, base, group, more_lses, more_parts)
 
-        sAcc = cutlass.memory.SmemAllocator().allocate(SharedStorage).sAcc.get_tensor(sacc_layout)
         if group > 1:  # the same in the whole CTA
             if g > 0:
                 cute.autovec_copy(acc, thr.partition_D(cute.local_tile(sAcc[warp, None, None], tile, (r, 0))))
@@ -170,7 +203,7 @@ class SplitCombine:
                     acc.store(acc.load() + part.load())
         if (g == 0) & row_ok:
             thr_out = copy_out.get_slice(c)
-            tOg = thr_out.partition_D(cute.local_tile(mO[b, i, None, None], tile, (h, 0)))
+            tOg = thr_out.partition_D(cute.local_tile(out_rows, tile, (h, 0)))
             rO = cute.make_fragment_like(tOg)
             rO.store(acc.load().to(self.dtype))
             for k in cutlass.range_constexpr(self.chunks_per_thread):
@@ -180,7 +213,7 @@ class SplitCombine:
                 else:
                     cute.copy(copy_out, rO[None, None, k], tOg[None, None, k])
             if c == 0:
-                mLSE[b, h, i] = lse
+                lse_out[lse_coord] = lse
 
     @cute.jit
     def _row_lse(self, lse_row: cute.Tensor, c: Int32) -> Float32:
@@ -209,37 +242,42 @@ class SplitCombine:
         return Float32.inf if row_max == -Float32.inf else row_max + cute.math.log2(total, fastmath=True) * LN2
 
     @cute.jit
-    def _accumulate(self, acc: cute.Tensor, lse: Float32, lse_row: cute.Tensor, rows: cute.Tensor, h: Int32,
-                    thr, col_ok: list, g: Int32, group: Int32):
-        """acc += exp(lse_s - lse) * O_s over this warp's splits (g, g + group, ...).
-        ``rows``: (num_splits, heads, head_dim) of this (b, i)."""
+    def _load_trip(self, lse_row: cute.Tensor, rows: cute.Tensor, h: Int32, thr, col_ok: list, base: Int32,
+                   group: Int32):
+        """The loads of one trip of ``_add_trip``: the LSEs and this thread's columns of the partial
+        outputs of splits base, base + group, ... (``unroll`` of them, clamped into range: no
+        branch before the loads). ``rows``: (num_splits, heads, head_dim) of this (b, i)."""
         num_splits = cute.size(lse_row)
         tile = (1, self.head_dim)
-        for base in cutlass.range(g, num_splits, group * self.unroll, unroll=1):
-            lses = []
-            parts = []
-            # every load of the trip first (clamped into range: no branch before the loads)
-            for u in cutlass.range_constexpr(self.unroll):
-                s = cutlass.min(base + u * group, num_splits - 1)
-                lses.append(lse_row[s])
-                src = thr.partition_S(cute.local_tile(rows[s, None, None], tile, (h, 0)))
-                part = cute.make_rmem_tensor(acc.shape, Float32)
-                for k in cutlass.range_constexpr(self.chunks_per_thread):
-                    if const_expr(self.check_hdim):
-                        if col_ok[k]:
-                            cute.autovec_copy(src[None, None, k], part[None, None, k])
-                    else:
+        lses = []
+        parts = []
+        for u in cutlass.range_constexpr(self.unroll):
+            s = cutlass.min(base + u * group, num_splits - 1)
+            lses.append(lse_row[s])
+            src = thr.partition_S(cute.local_tile(rows[s, None, None], tile, (h, 0)))
+            part = cute.make_rmem_tensor(src.shape, Float32)
+            for k in cutlass.range_constexpr(self.chunks_per_thread):
+                if const_expr(self.check_hdim):
+                    if col_ok[k]:
                         cute.autovec_copy(src[None, None, k], part[None, None, k])
-                parts.append(part)
-            for u in cutlass.range_constexpr(self.unroll):
-                x = lses[u]
-                valid = (base + u * group < num_splits) & (x < Float32.inf) & (x > -Float32.inf)
-                # valid implies a finite lse >= x (up to rounding); otherwise the weight is exp2(-inf) = 0.
-                # No branch: a branch would let the compiler sink this split's loads behind it.
-                w = cute.math.exp2((x - lse) * LOG2E if valid else -Float32.inf, fastmath=True)
-                for k in cutlass.range_constexpr(self.chunks_per_thread):
-                    if const_expr(self.check_hdim):
-                        if col_ok[k]:
-                            acc[None, None, k].store(acc[None, None, k].load() + w * parts[u][None, None, k].load())
-                    else:
+                else:
+                    cute.autovec_copy(src[None, None, k], part[None, None, k])
+            parts.append(part)
+        return lses, parts
+
+    @cute.jit
+    def _add_trip(self, acc: cute.Tensor, lse: Float32, num_splits: Int32, col_ok: list, base: Int32, group: Int32,
+                  lses: list, parts: list):
+        """acc += exp(lse_s - lse) * O_s over one trip's splits (``_load_trip``)."""
+        for u in cutlass.range_constexpr(self.unroll):
+            x = lses[u]
+            valid = (base + u * group < num_splits) & (x < Float32.inf) & (x > -Float32.inf)
+            # valid implies a finite lse >= x (up to rounding); otherwise the weight is exp2(-inf) = 0.
+            # No branch: a branch would let the compiler sink this split's loads behind it.
+            w = cute.math.exp2((x - lse) * LOG2E if valid else -Float32.inf, fastmath=True)
+            for k in cutlass.range_constexpr(self.chunks_per_thread):
+                if const_expr(self.check_hdim):
+                    if col_ok[k]:
                         acc[None, None, k].store(acc[None, None, k].load() + w * parts[u][None, None, k].load())
+                else:
+                    acc[None, None, k].store(acc[None, None, k].load() + w * parts[u][None, None, k].load())

@@ -22,7 +22,10 @@ TMA, so what matters is how many CTAs read at once.
   block_table[b, j // page_size], one block-table read per row a thread copies.
 - split: the grid's z is (sequence, split); each split walks its share of the K/V blocks
   (block_info.clip_walk) and writes O and LSE in fp32 to the split's slice of the accumulators, which
-  kernels/combine.py merges. A split that sees no key writes O = 0 and LSE = +inf.
+  kernels/combine.py merges. A split that sees no key writes O = 0 and LSE = +inf. With
+  ``merge_in_cta`` (a decode step's few rows per tile) the tile's last split to finish merges them
+  itself (``_merge_splits``: a counter per tile, kept at zero between launches), which saves the
+  combine kernel's launch; otherwise the combine kernel runs after this one.
 - varlen with paged (flash_attn_varlen_func's block_table): packed queries (cu_seqlens_q) over
   paged keys counted by seqused; the split accumulators and LSE are then (.., 1, total_q, ..).
 - pack_gqa: the grid's y is the K/V head; tile row p is query p // g of query head
@@ -40,12 +43,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from cute_attn.kernels import block_info
+from cute_attn.kernels.combine import SplitCombine, row_copy, row_lanes
 from cute_attn.kernels.features import NO_FEATURES, Features
 from cute_attn.kernels.layout import acc_to_operand_a, acc_to_rows_cols, convert, transpose_smem
 from cute_attn.kernels.mask import alibi_slope_units, apply_score_mods
 from cute_attn.kernels.seqlen_info import SeqlenInfo
 from cute_attn.kernels.softmax import OnlineSoftmax
 from cute_attn.kernels.sm80 import common
+from cute_attn.traits import SPLIT_MERGE_LANES_PER_ROW
 
 
 class FlashAttentionForwardSm80:
@@ -85,6 +90,14 @@ class FlashAttentionForwardSm80:
         self.pv_chunks = pv_chunks
         self.features = features
         f = features
+        if f.split:  # _merge_splits' row merge: 8 lanes per row (4 rows per warp, 16 per CTA of 4
+            # warps: a decode tile's rows in one pass), 16 fp32 loads in flight per lane
+            tpr = min(SPLIT_MERGE_LANES_PER_ROW, row_lanes(head_dim)[0])
+            chunks = head_dim // 4 // tpr
+            self.row_merge = SplitCombine(dtype, head_dim, check_hdim, num_warps=num_warps,
+                                          unroll=max(1, min(8, 16 // chunks)), threads_per_row=tpr)
+            # its count and sums live in sQ's memory
+            assert 16 + 4 * num_warps * self.row_merge.rows_per_warp * head_dim <= tile_m * head_dim * dtype.width // 8
         # the decode features serve dense batches (flash_attn_with_kvcache, forward's split path)
         # (varlen with paged / split / pack_gqa: flash_attn_varlen_func's block_table, keys counted by seqused)
         assert not (f.varlen and f.kvcache), "a KV cache's batches are dense (varlen pages through seqused)"
@@ -118,6 +131,8 @@ class FlashAttentionForwardSm80:
         mOAccum: cute.Tensor | None,  # split: (num_splits, batch, seqlen_q, heads, d) fp32
         mLSEAccum: cute.Tensor | None,  # split: (num_splits, batch, heads, seqlen_q) fp32
         num_splits: Int32,  # split: K/V pieces per (Q block, head, sequence)
+        mSplitCounter: cute.Tensor | None,  # split: (tiles,) int32, zero at launch and left at zero
+        merge_in_cta: Int32,  # split: 1: each tile's last split merges the tile (else the combine kernel)
         stream: cuda.CUstream,
     ):
         atom = common.smem_layout_atom(self.dtype, self.head_dim)
@@ -145,7 +160,7 @@ class FlashAttentionForwardSm80:
         self.kernel(
             mQ, mK, mV, mO, mLSE, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mAlibiSlopes,
             window_left, window_right, softcap_scale, mSeqUsedK, mLeftPadK, mKVBatchIdx, mBlockTable,
-            mOAccum, mLSEAccum, num_splits,
+            mOAccum, mLSEAccum, num_splits, mSplitCounter, merge_in_cta,
             sQ_layout, sKV_layout, copy_load, copy_store, mma, SharedStorage,
         ).launch(
             grid=(num_m_blocks, cute.size(heads), cute.size(batch)),
@@ -177,6 +192,8 @@ class FlashAttentionForwardSm80:
         mOAccum: cute.Tensor | None,
         mLSEAccum: cute.Tensor | None,
         num_splits: Int32,
+        mSplitCounter: cute.Tensor | None,
+        merge_in_cta: Int32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         copy_load: cute.TiledCopy,
@@ -186,17 +203,19 @@ class FlashAttentionForwardSm80:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block_raw, head, batch = cute.arch.block_idx()
-        num_m_blocks, _, _ = cute.arch.grid_dim()
+        num_m_blocks, num_heads_grid, _ = cute.arch.grid_dim()
         split = Int32(0)
         if const_expr(self.features.split):
             split = batch % num_splits
             batch = batch // num_splits
+        # split: the tile's counter (the same for all its splits)
+        tile_id = (batch * num_heads_grid + head) * num_m_blocks + m_block_raw
         # causal: the last Q blocks see the most keys; launching them first evens out the tail
         m_block = num_m_blocks - 1 - m_block_raw if const_expr(self.causal) else m_block_raw
         seq = SeqlenInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftPadK, mKVBatchIdx)
         tile = partial(
             self._tile, mQ, mK, mV, mO, mLSE, softmax_scale_log2, mAlibiSlopes, window_left, window_right,
-            softcap_scale, mBlockTable, mOAccum, mLSEAccum, num_splits, split,
+            softcap_scale, mBlockTable, mOAccum, mLSEAccum, num_splits, split, mSplitCounter, merge_in_cta, tile_id,
             sQ_layout, sKV_layout, copy_load, copy_store, mma, SharedStorage, seq, m_block, head, tidx,
         )
         if const_expr(self.features.varlen):
@@ -226,6 +245,9 @@ class FlashAttentionForwardSm80:
         mLSEAccum: cute.Tensor | None,
         num_splits: Int32,
         split: Int32,
+        mSplitCounter: cute.Tensor | None,
+        merge_in_cta: Int32,
+        tile_id: Int32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         copy_load: cute.TiledCopy,
@@ -393,6 +415,9 @@ class FlashAttentionForwardSm80:
             # fp32 partials of this split, straight from registers (a decode tile has few rows)
             self._store_partial(acc_O, lse, tOcO, mOAccum[split, b, None, None, None],
                                 mLSEAccum[split, b, None, None], rows_left, head_dim, row_q_head, seq.offset_q)
+            if merge_in_cta != 0:
+                self._merge_splits(mOAccum, mLSEAccum, mO, mLSE, num_splits, mSplitCounter, tile_id, sQ, seq,
+                                   rows_left, row_q_head)
         else:
             rO = convert(acc_O, self.dtype)
             # LSE: the thread holding column 0 of a row writes it
@@ -423,6 +448,61 @@ class FlashAttentionForwardSm80:
                 tOgO = thr_store.partition_D(gQ)  # the column layout of a row (like Q's)
                 self._copy_packed_rows(copy_store, tOgO, tOrO, tOcO_store, rows_left, head_dim,
                                        seq.q_rows(mO[b, None, None, None]), row_q_head, to_global=True)
+
+    @cute.jit
+    def _merge_splits(self, mOAccum: cute.Tensor, mLSEAccum: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                      num_splits: Int32, mSplitCounter: cute.Tensor, tile_id: Int32, sQ: cute.Tensor,
+                      seq: SeqlenInfo, rows_left: Int32, row_q_head):
+        """Split-KV, after this split stored its partials: the tile's last split to get here merges
+        every split's partials of the tile's rows into O and LSE (kernels/combine.py's row merge).
+        Each split publishes its stores (barrier, fence, then one atomic add on the tile's counter);
+        the one that takes the count to num_splits acquires theirs (fence, which also invalidates
+        the SM's L1, then barrier) and resets the counter to zero for the next launch. ``sQ``'s
+        memory (Q is no longer read) holds the count and the merge's sums."""
+        tidx, _, _ = cute.arch.thread_idx()
+        counter = mSplitCounter.iterator + tile_id
+        sFlag = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=Int32), cute.make_layout(1))
+        # one thread releases the whole CTA's stores (the barrier, then its fence: CUTLASS's
+        # semaphore arrive) and, after the count, acquires the other splits' for the CTA
+        cute.arch.barrier()  # (every warp is also done with sQ)
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            sFlag[0] = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
+            cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        if sFlag[0] == num_splits - 1:
+            if tidx == 0:
+                cute.arch.store(counter, Int32(0))
+            rows_per_warp, threads_per_row = self.row_merge.rows_per_warp, self.row_merge.threads_per_row
+            rows = cutlass.min(rows_left, self.tile_m)
+            # several warps share a row's splits when the tile's rows fit one pass of fewer warps
+            # (a decode step: one to a few rows, up to ~128 splits; summed through shared memory)
+            group = Int32(1)
+            for k in cutlass.range_constexpr(self.num_warps.bit_length() - 1):
+                warps = 2 ** (k + 1)
+                if (num_splits >= warps) & (rows <= rows_per_warp * (self.num_warps // warps)):
+                    group = Int32(warps)
+            rows_per_pass = rows_per_warp * (self.num_warps // group)
+            sacc_layout = cute.make_ordered_layout((self.num_warps, rows_per_warp, self.head_dim),
+                                                   order=(2, 1, 0))
+            # past the count's 16 bytes, so no warp's sums can land on it before all have read it
+            sAcc = cute.make_tensor(cute.recast_ptr(sQ.iterator + 16 // (self.dtype.width // 8), dtype=Float32),
+                                    sacc_layout)
+            copy_acc = row_copy(Float32, threads_per_row)
+            copy_out = row_copy(self.dtype, threads_per_row)
+            b = seq.tensor_batch
+            lse_out = mLSE[b, None, None]  # (heads, seqlen_q; varlen: total_q)
+            out_rows = mO[b, None, None, None]
+            warp, lane = tidx // 32, tidx % 32
+            for base in cutlass.range(0, rows, rows_per_pass, unroll=1):
+                row = base + (warp // group) * rows_per_warp + lane // threads_per_row
+                row_ok = row < rows
+                q_idx, h = row_q_head(cutlass.min(row, rows - 1))
+                if const_expr(self.features.varlen):  # the packed tensors' rows of this sequence
+                    q_idx = q_idx + seq.offset_q
+                self.row_merge.merge_row(mOAccum[None, b, q_idx, None, None], mLSEAccum[None, b, h, q_idx],
+                                out_rows[q_idx, None, None], h, lse_out, (h, q_idx), row_ok, group, sAcc,
+                                copy_acc, copy_out)
 
     def _row_q_head(self, m_block: Int32, head: Int32, pack, row: Int32):
         """(query, query head) of tile row ``row`` of Q block ``m_block``: with packed GQA (``pack``
