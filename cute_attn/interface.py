@@ -666,17 +666,15 @@ def decode_merges_in_cta(tile_rows: int, num_warps: int) -> bool:
     return tile_rows <= 32 // SPLIT_MERGE_LANES_PER_ROW * num_warps
 
 
-# Per (device, stream): the split tiles' counters of the in-CTA merge. Each launch leaves them at
-# zero (a tile's last split resets its own), so a stream's launches share one buffer in order and
-# no launch pays a memset; a graph being captured gets its own zeroed buffer (its memset is part of
-# the graph), since its replays may run on any stream.
-_SPLIT_COUNTERS: dict = {}
-
-
+_SPLIT_COUNTERS: dict = {}  # (device index, stream) -> int32 counters, all zero between launches
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (a CUDA build's; ~10x cheaper)
 
 
 def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` zeroed int32 counters for a split launch that merges in the kernel. Each
+    launch leaves them at zero (a tile's last split resets its own), so the launches of a stream
+    share one buffer in stream order and none pays a memset; a graph being captured gets a zeroed
+    buffer of its own (the memset a node of the graph), since its replays may run on any stream."""
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(tiles, dtype=torch.int32, device=device)
     stream = _RAW_STREAM(device.index) if _RAW_STREAM else torch.cuda.current_stream(device).cuda_stream

@@ -205,11 +205,11 @@ class FlashAttentionForwardSm80:
         m_block_raw, head, batch = cute.arch.block_idx()
         num_m_blocks, num_heads_grid, _ = cute.arch.grid_dim()
         split = Int32(0)
+        tile_id = Int32(0)  # split: the tile's counter, the same for all its splits
         if const_expr(self.features.split):
             split = batch % num_splits
             batch = batch // num_splits
-        # split: the tile's counter (the same for all its splits)
-        tile_id = (batch * num_heads_grid + head) * num_m_blocks + m_block_raw
+            tile_id = (batch * num_heads_grid + head) * num_m_blocks + m_block_raw
         # causal: the last Q blocks see the most keys; launching them first evens out the tail
         m_block = num_m_blocks - 1 - m_block_raw if const_expr(self.causal) else m_block_raw
         seq = SeqlenInfo(batch, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mLeftPadK, mKVBatchIdx)
