@@ -216,13 +216,33 @@ def _sustained_ms(fn, seconds: float) -> float:
     return start.elapsed_time(end) / calls
 
 
+def _settle_cute_attn_builds(calls) -> None:
+    """Call each of ``calls`` once, then wait for cute_attn's background builds: a key that is not
+    in the disk cache first runs a bootstrap kernel (compile.KernelCache.slot: the same results,
+    slower) while its table kernel builds in a child process, and the first call after that build
+    switches. Without this a cold process would time the bootstrap kernel (measured: a paged
+    varlen prefill row 278 us against 228 us with its table kernel, H100, 2026-11-27)."""
+    for call in calls:
+        try:
+            with torch.no_grad():
+                call()
+        except Exception:  # noqa: BLE001  (reported where it is timed)
+            pass
+    if "cute_attn" in sys.modules:
+        from cute_attn import compile as cute_attn_compile
+
+        cute_attn_compile.wait_for_background_builds(900)
+
+
 def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int, where: str,
                       sustained_s: float = 0.0, timed=None) -> dict:
     """Milliseconds per implementation in each of ``rounds`` rounds, each round timing every
     implementation once, in an order shuffled anew each round: clock and power drift during a run
     then reach every column alike instead of favouring whichever ran first (the caller takes the
     median). None for one that failed; the ceiling matmul is always timed as a forward. ``timed``
-    replaces ``_timed`` (the decode mode's timer)."""
+    replaces ``_timed`` (the decode mode's timer). cute_attn's kernels are settled first
+    (``_settle_cute_attn_builds``)."""
+    _settle_cute_attn_builds([lambda fn=fn: fn(q, k, v, causal) for fn in impls.values()])
     times = {name: [] for name in impls}
     for r in range(rounds):
         # A new order every round (seeded: the same in every run), so that no implementation always
@@ -664,6 +684,7 @@ def paged_varlen_rows(args) -> list[dict]:
                 if diff > 0.05:
                     print(f"# {name}: cute_attn and FA4 differ by {diff:.3g}; not timed", file=sys.stderr)
                     continue
+            _settle_cute_attn_builds(impls.values())
             for _ in range(args.rounds):
                 order = list(impls)
                 random.shuffle(order)
