@@ -667,6 +667,7 @@ def decode_merges_in_cta(tile_rows: int, num_warps: int) -> bool:
 
 
 _SPLIT_COUNTERS: dict = {}  # (device index, stream) -> int32 counters, all zero between launches
+_SPLIT_COUNTER_STREAMS = 64  # the most streams kept (a loop that makes a stream per step must not grow it)
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (a CUDA build's; ~10x cheaper)
 
 
@@ -682,6 +683,9 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     buf = _SPLIT_COUNTERS.get(key)
     if buf is None or buf.numel() < tiles:
         buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS.pop(key, None)
+        while len(_SPLIT_COUNTERS) >= _SPLIT_COUNTER_STREAMS:  # the oldest stream's, freed to its own
+            del _SPLIT_COUNTERS[next(iter(_SPLIT_COUNTERS))]  # stream's pool (safe in stream order)
         _SPLIT_COUNTERS[key] = buf
     return buf
 

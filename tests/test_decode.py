@@ -276,3 +276,26 @@ def test_in_kernel_merge_covers_its_tiles_in_one_pass(head_dim):
         assert interface.decode_merges_in_cta(rows, t.num_warps)
         assert not interface.decode_merges_in_cta(rows + 1, t.num_warps)
         assert rows >= 16
+
+
+def test_split_counters_one_zeroed_buffer_per_stream(monkeypatch):
+    """The in-kernel merge's counters: one zeroed buffer per stream, reused while large enough,
+    replaced when a launch needs more tiles, and at most _SPLIT_COUNTER_STREAMS streams kept."""
+    import torch
+
+    stream = {"now": 0}
+    monkeypatch.setattr(interface, "_RAW_STREAM", lambda index: stream["now"])
+    monkeypatch.setattr(interface, "_SPLIT_COUNTERS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    device = torch.device("cpu")  # (the buffers' logic only; the kernels run on CUDA devices)
+    first = interface._split_counters(device, 10)
+    assert first.dtype == torch.int32 and first.numel() >= 10 and not first.any()
+    assert interface._split_counters(device, 10) is first
+    larger = interface._split_counters(device, 5000)
+    assert larger.numel() >= 5000 and not larger.any() and interface._split_counters(device, 10) is larger
+    stream["now"] = 1
+    assert interface._split_counters(device, 10) is not larger  # another stream, another buffer
+    for s in range(2, 3 * interface._SPLIT_COUNTER_STREAMS):
+        stream["now"] = s
+        interface._split_counters(device, 10)
+    assert len(interface._SPLIT_COUNTERS) == interface._SPLIT_COUNTER_STREAMS
