@@ -1012,8 +1012,8 @@ _FINGERPRINT: str | None = None
 
 
 def _source_fingerprint() -> str:
-    """Hash of what a compiled kernel depends on (the kernel sources, this file, the DSL version):
-    a change there invalidates the disk entries."""
+    """Hash of what a compiled kernel depends on (the kernel sources, this file, traits.py, whose
+    constants the kernels import, the DSL version): a change there invalidates the disk entries."""
     global _FINGERPRINT
     if _FINGERPRINT is None:
         # the installed versions from package metadata: importing the DSL here would cost a
@@ -1028,7 +1028,7 @@ def _source_fingerprint() -> str:
 
         h = hashlib.sha256(f"{version('nvidia-cutlass-dsl')} {version('apache-tvm-ffi')}".encode())
         root = Path(__file__).parent
-        for path in sorted([Path(__file__), *(root / "kernels").rglob("*.py")]):
+        for path in sorted([Path(__file__), root / "traits.py", *(root / "kernels").rglob("*.py")]):
             h.update(path.relative_to(root).as_posix().encode())
             h.update(path.read_bytes())
         _FINGERPRINT = h.hexdigest()
