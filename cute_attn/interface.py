@@ -15,7 +15,7 @@ import torch
 from cute_attn import compile as compile_mod
 from cute_attn import dispatch
 from cute_attn.kernels.features import Features
-from cute_attn.traits import MAX_HEAD_DIM, sm90_tier_seqlen
+from cute_attn.traits import MAX_HEAD_DIM, SPLIT_MERGE_LANES_PER_ROW, sm90_tier_seqlen
 
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _ALIGN_BYTES = 16
@@ -661,8 +661,6 @@ def decode_merges_in_cta(tile_rows: int, num_warps: int) -> bool:
     merge saves the combine's launch and the gap before it (a decode step's 1-16 rows per tile); a
     tile of more rows would merge in serial passes of L2 round trips on one SM, where the combine
     kernel spreads the rows over the GPU."""
-    from cute_attn.traits import SPLIT_MERGE_LANES_PER_ROW
-
     return tile_rows <= 32 // SPLIT_MERGE_LANES_PER_ROW * num_warps
 
 

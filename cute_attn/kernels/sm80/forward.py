@@ -501,8 +501,8 @@ class FlashAttentionForwardSm80:
                 if const_expr(self.features.varlen):  # the packed tensors' rows of this sequence
                     q_idx = q_idx + seq.offset_q
                 self.row_merge.merge_row(mOAccum[None, b, q_idx, None, None], mLSEAccum[None, b, h, q_idx],
-                                out_rows[q_idx, None, None], h, lse_out, (h, q_idx), row_ok, group, sAcc,
-                                copy_acc, copy_out)
+                                         out_rows[q_idx, None, None], h, lse_out, (h, q_idx), row_ok, group,
+                                         sAcc, copy_acc, copy_out)
 
     def _row_q_head(self, m_block: Int32, head: Int32, pack, row: Int32):
         """(query, query head) of tile row ``row`` of Q block ``m_block``: with packed GQA (``pack``
