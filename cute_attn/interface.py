@@ -606,16 +606,17 @@ def _rotary_local(opts: _Scores, cache_len: int) -> bool:
     return opts.causal or (opts.features.local and min(opts.window_left, opts.window_right) < cache_len)
 
 
-def decode_num_splits(ctas: int, n_blocks: int, slots: int, max_splits: int = 128) -> int:
+def decode_num_splits(ctas: int, n_blocks: int, slots: int, max_splits: int = 128, min_blocks: int = 4) -> int:
     """Split-KV pieces for a grid of ``ctas`` CTAs (Q blocks x heads x batch) whose longest walk is
     ``n_blocks`` K/V blocks, with ``slots`` CTAs per wave. Decoding is bound by reading K and V, so
-    what counts is that every SM reads, each split keeping at least 4 K/V blocks so that its
-    prologue and the combine stay small: the most splits that still fit one wave when that wave is
-    at least 90% as full as the best choice's (an extra wave measured slower at equal fullness),
-    else the fewest splits whose last wave is (FlashAttention-2's rule of wave efficiency)."""
+    what counts is that every SM reads, each split keeping at least ``min_blocks`` K/V blocks so that
+    its prologue and the merge stay small (``decode_min_blocks``): the most splits that still fit one
+    wave when that wave is at least 90% as full as the best choice's (an extra wave measured slower
+    at equal fullness), else the fewest splits whose last wave is (FlashAttention-2's rule of wave
+    efficiency). Caches of fewer than 8 blocks never split (their call is mostly launch)."""
     if ctas >= slots or n_blocks < 8:
         return 1
-    limit = max(1, min(max_splits, n_blocks // 4))
+    limit = max(1, min(max_splits, n_blocks // min_blocks))
     def efficiency(s):
         waves = ctas * s / slots
         return waves / math.ceil(waves)
@@ -624,6 +625,23 @@ def decode_num_splits(ctas: int, n_blocks: int, slots: int, max_splits: int = 12
     if efficiency(one_wave) >= 0.9 * best:
         return one_wave
     return next(s for s in range(1, limit + 1) if efficiency(s) >= 0.9 * best)
+
+
+def decode_min_blocks(merges_in_cta: bool, ctas: int, n_blocks: int, num_sms: int, slots: int) -> int:
+    """The fewest K/V blocks per split (``decode_num_splits``) for ``ctas`` CTAs walking ``n_blocks``
+    blocks with ``slots`` per wave: 4 where the combine kernel merges the splits (its launch and each
+    split's prologue cost more than a block's read). Where the last split merges them in the kernel:
+    1 with one CTA per SM; with two (paged-by-rows caches, one-stage kernels) 2 while those splits
+    stay within one CTA per SM, else 4 (short splits that filled both slots lost to fewer, longer
+    ones). Measured on H100 (B1 H32/8, TB/s, 4 blocks per split -> this rule; docs/performance.md):
+    d128 dense Sk 512 0.18 -> 0.22, 1024 0.34 -> 0.41, 2048 0.66 -> 0.70, 3072 0.94 -> 0.97; d128
+    16-key pages Sk 1024 0.29 -> 0.35, 2048 0.55 -> 0.63; d256 Sk 1024 0.50 -> 0.60; but 2 blocks per
+    split on both slots: d256 Sk 4096 1.43 against 1.52, d128 16-key pages Sk 4096 0.95 against 0.96."""
+    if not merges_in_cta:
+        return 4
+    if slots <= num_sms:
+        return 1
+    return 2 if n_blocks // 2 <= num_sms // ctas else 4
 
 
 # The decode heuristic's wave: one CTA per SM. Two fit (traits.SM80_DECODE), but one streaming CTA
@@ -712,9 +730,12 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
     tile_m, tile_n = candidates[0].tile_m, candidates[0].tile_n
     ctas = -(-grid_seqlen_q * (group if pack else 1) // tile_m) * (heads_kv if pack else heads) * grid_batch
     n_blocks = -(-max_seqlen_k // tile_n)
+    tile_rows = min(tile_m, grid_seqlen_q * (group if pack else 1))
+    merges = decode_merges_in_cta(tile_rows, candidates[0].num_warps)  # where it splits
     if num_splits == 0:
-        num_splits = decode_num_splits(ctas, n_blocks,
-                                       decode_slots(plan.num_sms, candidates[0], plan.smem_capacity, page_size))
+        slots = decode_slots(plan.num_sms, candidates[0], plan.smem_capacity, page_size)
+        num_splits = decode_num_splits(ctas, n_blocks, slots,
+                                       min_blocks=decode_min_blocks(merges, ctas, n_blocks, plan.num_sms, slots))
     num_splits = max(1, min(num_splits, n_blocks, 128))
     split = num_splits > 1
     features = dataclasses.replace(opts.features, kvcache=kvcache, paged=page_size > 0, split=split, pack_gqa=pack,
@@ -722,8 +743,7 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
     key = compile_mod.forward_key(plan.target, _DTYPE_NAMES[q.dtype], head_dim, opts.causal, plan.smem_capacity,
                                   traits=candidates, features=features, page_size=page_size)
     kernel = compile_mod.forward_cache.get(key)
-    tile_rows = min(tile_m, grid_seqlen_q * (group if pack else 1))
-    merge_in_cta = split and decode_merges_in_cta(tile_rows, candidates[0].num_warps)
+    merge_in_cta = split and merges
     combine = None
     if split:  # (fetched even where the kernel merges: another length must not compile it later)
         combine = compile_mod.combine_cache.get(compile_mod.combine_key(plan.target, _DTYPE_NAMES[q.dtype], head_dim))

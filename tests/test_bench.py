@@ -143,6 +143,13 @@ def test_decode_table_lines(bench):
     assert lines[2] == ("| 64 | 1 | 8192 | 32/8 | - | 2 | 2.90 | 1.45 | 2.46 | 3.04 | - | 3.04 (SDPA cuDNN) | 0.95x "
                         "| 97% |")
     assert lines[3] == "| 64 | 1 | 8192 | 32/8 | 64 | ? | - | 1.45 | - | - | 2.00 | 2.00 (FA4 paged) | - | - |"
+    # --decode-read-floor: two more columns where a row has the plain read, never a peer
+    floored = dict(row, read_floor={"ms": 1.0, "tbs": 2.9, "config": [4, 2048, 4]})
+    assert bench.decode_columns([floored, paged]) == cols
+    lines = bench.decode_table_lines([floored, paged], cols, 3.0)
+    assert lines[0].endswith("| cute_attn / copy | plain read | cute_attn / plain read |")
+    assert lines[0].count("|") == lines[1].count("|") == lines[2].count("|") == lines[3].count("|")
+    assert lines[2].endswith("| 0.95x | 97% | 2.90 | 100% |") and lines[3].endswith("| - | - | - | - |")
     lat = {"us": {"cute_attn": 22.0, "SDPA flash": 20.0}}
     assert bench.decode_latency_lines(lat)[2:] == ["| cute_attn | 22.0 | 1.10x |", "| SDPA flash | 20.0 | 1.00x |"]
 

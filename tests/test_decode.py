@@ -87,6 +87,28 @@ def test_decode_num_splits():
     assert interface.decode_num_splits(ctas=1, n_blocks=40, slots=132) <= 10
 
 
+def test_decode_splits_of_fewer_blocks_where_they_merge_in_the_kernel():
+    """Splits that merge in the kernel keep one K/V block each with one CTA per SM; with two, two
+    blocks while the splits stay within one CTA per SM, else four, as the combine kernel's always
+    do. Caches of fewer than 8 blocks never split."""
+    def splits(ctas, n_blocks, slots, merges=True):
+        return interface.decode_num_splits(
+            ctas, n_blocks, slots, min_blocks=interface.decode_min_blocks(merges, ctas, n_blocks, 132, slots))
+
+    # B1 H32/8 (8 packed CTAs), 64-key blocks: Sk 512 / 1024 / 2048 / 4096 / 8192
+    for n_blocks, combined, merged, merged_two_slots in ((8, 2, 8, 4), (16, 4, 16, 8), (32, 8, 16, 16),
+                                                          (64, 16, 16, 16), (128, 16, 16, 32)):
+        assert splits(8, n_blocks, 132, merges=False) == combined
+        assert splits(8, n_blocks, 132) == merged
+        assert splits(8, n_blocks, 264) == merged_two_slots
+    assert splits(8, 48, 264) == 12  # 24 two-block splits would fill both slots: four blocks each
+    assert splits(8, 2048, 264) == 33  # B1 H8 Sk 131072: as before
+    for slots in (132, 264):
+        for merges in (False, True):
+            assert splits(8, 7, slots, merges) == 1  # Sk < 512: no split
+            assert splits(slots, 1000, slots, merges) == 1  # a full grid
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS + (72,))
 @pytest.mark.parametrize("page_size", [0, 1, 16, 48, 64, 100, 192, 256])
 def test_decode_traits_fit_pages(head_dim, page_size):

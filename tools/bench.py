@@ -57,7 +57,9 @@ against an fp32 reference (a wrong one is not timed). Timing: per-call CUDA even
 flush (``--decode-flush``: clean, a 256 MB read, by default; zero, a 256 MB write as triton's
 ``do_bench``, which leaves ~50 MB of dirty lines that each call then writes back) and a ~0.5 ms
 sleep kernel (so a path's host time, FA4's ~0.1 ms, does not count as GPU time), in shuffled
-rounds. ``--decode-latency``: wall time per call over back-to-back calls at B1 Sq1 Sk4096 heads
+rounds. ``--decode-read-floor`` adds per row the fastest plain read of the same bytes (a triton
+streaming kernel over READ_FLOOR_CONFIGS, timed the same way): the launch, ramp and drain of a
+short read make it the ceiling there, below the 1 GiB copy's rate. ``--decode-latency``: wall time per call over back-to-back calls at B1 Sq1 Sk4096 heads
 32/8, the host-overhead bar (within 10% of SDPA flash). Writes
 bench_decode.json, bench_decode_sweep.json, bench_decode.png, bench_decode_latency.json.
 """
@@ -317,6 +319,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="wall time per call from Python over back-to-back calls at B1 Sq1 Sk4096 heads 32/8 "
                         "(host overhead); alone or with --decode")
     d.add_argument("--decode-latency-calls", type=int, default=2000)
+    d.add_argument("--decode-read-floor", action="store_true",
+                   help="decode: also per row the fastest plain read of the row's bytes (a triton streaming kernel, "
+                        "READ_FLOOR_CONFIGS, timed as the rows are): what any kernel that must read them can reach")
     d.add_argument("--decode-flush", choices=FLUSH_MODES, default="clean",
                    help="how L2 is emptied before each timed decode call: clean (read 256 MB) or zero (write it, "
                         "as triton's do_bench; the call then also writes back ~50 MB of dirty lines)")
@@ -1007,6 +1012,71 @@ def _decode_timed(fn, q, k, v, causal, mode, rep_ms, sustained_s=0.0) -> float:
         return _sustained_ms(call, sustained_s) if sustained_s else _gpu_ms(call, rep_ms)
 
 
+# --decode-read-floor: (CTAs per SM, int32 per load step, warps) of the plain read. Swept on the H100
+# for a 134 MB read (B1 H32/32 Sk 8192's K/V) among 45 such configs: the fastest take 2-8 CTAs per SM
+# with 1024-4096 int32 per step, 2.74-2.79 TB/s (docs/performance.md).
+READ_FLOOR_CONFIGS = ((2, 4096, 8), (4, 2048, 4), (4, 4096, 8), (6, 2048, 8), (8, 1024, 4), (8, 2048, 4))
+_READ_KERNEL = []
+
+
+def _read_kernel():
+    """A triton kernel that reads n int32 once (program p: a contiguous chunk of ``chunk``, a step of
+    BLOCK at a time, through L2 only, masked at the chunk's end) and stores one sum per lane, so no
+    load is dead."""
+    if not _READ_KERNEL:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def read(x_ptr, out_ptr, n, chunk, BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            start = pid.to(tl.int64) * chunk
+            end = tl.minimum(start + chunk, n)
+            acc = tl.zeros([BLOCK], dtype=tl.int32)
+            for i in range(0, chunk, BLOCK):
+                offs = start + i + tl.arange(0, BLOCK)
+                acc += tl.load(x_ptr + offs, mask=offs < end, other=0, cache_modifier=".cg")
+            tl.store(out_ptr + pid * BLOCK + tl.arange(0, BLOCK), acc)
+
+        _READ_KERNEL.append(read)
+    return _READ_KERNEL[0]
+
+
+def read_floor(nbytes: int, rounds: int, sustained_s: float = 0.0) -> dict | None:
+    """The fastest plain read of ``nbytes`` (one fresh buffer read once per call), timed like the
+    decode rows: TB/s and the config (READ_FLOOR_CONFIGS, whole steps or not) of the best median
+    over ``rounds``. What a decode call that must read those bytes can reach in this timing (its
+    launch, ramp and drain included); None without triton."""
+    try:
+        kernel = _read_kernel()
+    except ImportError as e:
+        print(f"# plain read skipped (no triton: {e})", file=sys.stderr)
+        return None
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = nbytes // 4
+    x = torch.randint(0, 100, (n,), dtype=torch.int32, device="cuda")
+    best = None
+    for (per_sm, block, warps), whole_steps in itertools.product(READ_FLOOR_CONFIGS, (True, False)):
+        ctas = per_sm * num_sms
+        # whole steps per program (the last programs idle), or even shares of 128-byte lines (each
+        # program's last step masked): which reads faster moved between runs by up to 5%
+        chunk = -(-n // (ctas * block)) * block if whole_steps else -(-n // (32 * ctas)) * 32
+        out = torch.empty(ctas * block, dtype=torch.int32, device="cuda")
+        fn = lambda *_, out=out, ctas=ctas, chunk=chunk, block=block, warps=warps: kernel[(ctas,)](  # noqa: E731
+            x, out, n, chunk, BLOCK=block, num_warps=warps)
+        fn()
+        torch.cuda.synchronize()
+        if out.sum().item() != x.sum().item():  # every element read once
+            raise RuntimeError(f"plain read config {(per_sm, block, warps)} read the wrong elements")
+        ms = statistics.median(_decode_timed(fn, None, None, None, False, "fwd", 100, sustained_s)
+                               for _ in range(max(rounds, 1)))
+        if best is None or ms < best["ms"]:
+            best = {"ms": ms, "tbs": n * 4 / ms / 1e9, "config": [per_sm, block, warps, whole_steps]}
+    del x
+    torch.cuda.empty_cache()
+    return best
+
+
 def _copy_rate(args) -> dict:
     """The reference ceiling: ``dst.copy_(src)`` of 1 GiB, bytes read + written per second, timed
     like the decode rows (median over ``--rounds``)."""
@@ -1078,7 +1148,7 @@ def decode_columns(rows: list[dict]) -> list[str]:
     those with a timing in some row."""
     order = ["SDPA flash", "SDPA cuDNN", "FA4", "FA4 paged", "FA2 kvcache"]
     skip = {"part", "batch", "seqlen_q", "seqlen_k", "heads", "heads_kv", "head_dim", "page_size", "bytes",
-            "num_splits", "notes", "round_ms", "cute_attn", "cute_attn (no split)"}
+            "num_splits", "notes", "round_ms", "cute_attn", "cute_attn (no split)", "read_floor"}
     seen = [c for r in rows for c in r if c not in skip and r[c]]
     return (["cute_attn", "cute_attn (no split)"] + [c for c in order if c in seen]
             + [c for c in dict.fromkeys(seen) if c not in order])
@@ -1087,19 +1157,22 @@ def decode_columns(rows: list[dict]) -> list[str]:
 def decode_table_lines(rows: list[dict], cols: list[str], copy_tbs: float | None) -> list[str]:
     """Markdown: TB/s per implementation, the best peer (columns not named cute_attn*), cute_attn
     over it and over the device copy."""
+    floor = any(r.get("read_floor") for r in rows)
     head = "| B | Sq | Sk | heads q/kv | paged | splits | " + " | ".join(cols) + \
-        " | best peer | cute_attn / best peer | cute_attn / copy |"
-    lines = [head, "|" + "---|" * (len(cols) + 9)]
+        " | best peer | cute_attn / best peer | cute_attn / copy |" + (" plain read | cute_attn / plain read |" if floor else "")
+    lines = [head, "|" + "---|" * (len(cols) + 9 + 2 * floor)]
     for r in rows:
         best = _best_peer(r, cols)
         ours = r.get("cute_attn")
         cells = [f"{r[c]:.2f}" if r.get(c) else "-" for c in cols]
+        read = r.get("read_floor")
         lines.append(
             f"| {r['batch']} | {r['seqlen_q']} | {r['seqlen_k']} | {r['heads']}/{r['heads_kv']} | "
             f"{r['page_size'] or '-'} | {r.get('num_splits', '?')} | " + " | ".join(cells)
             + (f" | {best[0]:.2f} ({best[1]})" if best else " | -")
             + (f" | {ours / best[0]:.2f}x" if best and ours else " | -")
-            + (f" | {ours / copy_tbs:.0%}" if ours and copy_tbs else " | -") + " |")
+            + (f" | {ours / copy_tbs:.0%}" if ours and copy_tbs else " | -") + " |"
+            + ((f" {read['tbs']:.2f} | {ours / read['tbs']:.0%} |" if read and ours else " - | - |") if floor else ""))
     return lines
 
 
@@ -1126,6 +1199,8 @@ def decode_rows(args):
         for name, t in times.items():
             row[name] = None if not t else nbytes / statistics.median(t) / 1e9
         row["round_ms"] = times
+        if args.decode_read_floor:
+            row["read_floor"] = read_floor(nbytes, args.rounds, args.sustained)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "round_ms"}), file=sys.stderr)
         del impls
