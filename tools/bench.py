@@ -59,8 +59,9 @@ flush (``--decode-flush``: clean, a 256 MB read, by default; zero, a 256 MB writ
 sleep kernel (so a path's host time, FA4's ~0.1 ms, does not count as GPU time), in shuffled
 rounds. ``--decode-read-floor`` adds per row the fastest plain read of the same bytes (a triton
 streaming kernel over READ_FLOOR_CONFIGS, timed the same way): the launch, ramp and drain of a
-short read make it the ceiling there, below the 1 GiB copy's rate. ``--decode-latency``: wall time per call over back-to-back calls at B1 Sq1 Sk4096 heads
-32/8, the host-overhead bar (within 10% of SDPA flash). Writes
+short read make it the ceiling there, below the 1 GiB copy's rate. ``--decode-latency``: wall
+time per call over back-to-back calls at B1 Sq1 Sk4096 heads 32/8, the host-overhead bar (within
+10% of SDPA flash). Writes
 bench_decode.json, bench_decode_sweep.json, bench_decode.png, bench_decode_latency.json.
 """
 
@@ -1156,10 +1157,12 @@ def decode_columns(rows: list[dict]) -> list[str]:
 
 def decode_table_lines(rows: list[dict], cols: list[str], copy_tbs: float | None) -> list[str]:
     """Markdown: TB/s per implementation, the best peer (columns not named cute_attn*), cute_attn
-    over it and over the device copy."""
+    over it and over the device copy; where a row has it (--decode-read-floor), the plain read and
+    cute_attn over it."""
     floor = any(r.get("read_floor") for r in rows)
-    head = "| B | Sq | Sk | heads q/kv | paged | splits | " + " | ".join(cols) + \
-        " | best peer | cute_attn / best peer | cute_attn / copy |" + (" plain read | cute_attn / plain read |" if floor else "")
+    head = ("| B | Sq | Sk | heads q/kv | paged | splits | " + " | ".join(cols)
+            + " | best peer | cute_attn / best peer | cute_attn / copy |"
+            + (" plain read | cute_attn / plain read |" if floor else ""))
     lines = [head, "|" + "---|" * (len(cols) + 9 + 2 * floor)]
     for r in rows:
         best = _best_peer(r, cols)
