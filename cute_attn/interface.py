@@ -728,10 +728,10 @@ def _decode_launcher(q, k, opts: _Scores, max_seqlen_k: int, num_splits: int, kv
     pack = not opts.features.alibi
     candidates = sm80_decode_traits(head_dim, plan.smem_capacity, page_size, spec=traits)
     tile_m, tile_n = candidates[0].tile_m, candidates[0].tile_n
-    ctas = -(-grid_seqlen_q * (group if pack else 1) // tile_m) * (heads_kv if pack else heads) * grid_batch
+    rows = grid_seqlen_q * (group if pack else 1)  # tile rows of one (sequence, head or K/V head)
+    ctas = -(-rows // tile_m) * (heads_kv if pack else heads) * grid_batch
     n_blocks = -(-max_seqlen_k // tile_n)
-    tile_rows = min(tile_m, grid_seqlen_q * (group if pack else 1))
-    merges = decode_merges_in_cta(tile_rows, candidates[0].num_warps)  # where it splits
+    merges = decode_merges_in_cta(min(tile_m, rows), candidates[0].num_warps)  # where it splits
     if num_splits == 0:
         slots = decode_slots(plan.num_sms, candidates[0], plan.smem_capacity, page_size)
         num_splits = decode_num_splits(ctas, n_blocks, slots,
