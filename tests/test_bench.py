@@ -70,7 +70,7 @@ def test_report_prints_the_ceiling_column(bench, tmp_path, monkeypatch, capsys):
 
     bench._report([row], ["cute_attn"], ["FA2 (SDPA flash)", "FA4 (CuTe DSL)"], [bench.CEILING], Args)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 128")]
-    assert lines == ["| 128 | 0 | 4096 | 660 | 330 | 600 | 750 | 2.00x | 1.10x | 0.88x |"]
+    assert lines == ["| 128 | 0 | 4096 | 660 | 330 | 600 | 750 | 2.00x | 1.10x | - | 0.88x |"]
     assert (tmp_path / "bench.json").exists()
 
 
@@ -85,7 +85,32 @@ def test_gqa_argument_and_title(bench, tmp_path, monkeypatch, capsys):
            "cute_attn": 400.0, "FA4 (CuTe DSL)": 500.0}
     bench._report([row], ["cute_attn"], ["FA4 (CuTe DSL)"], [], args)
     out = capsys.readouterr().out
-    assert "GQA 4 query heads per K/V head" in out and "| 128 | 1 | 2048 | 400 | 500 | - | 0.80x |" in out
+    assert "GQA 4 query heads per K/V head" in out and "| 128 | 1 | 2048 | 400 | 500 | - | 0.80x | - |" in out
+
+
+def test_per_round_ratio_against_the_best_peer(bench, tmp_path, monkeypatch, capsys):
+    """The per-round column: the median of the rounds' speed ratios to the best peer (by the
+    table's medians) and the rounds won; '-' without two rounds of both."""
+    rounds = {"cute_attn": [1.0, 1.0, 2.0, 1.0, 1.0], "FA4 (CuTe DSL)": [1.1, 0.9, 1.0, 1.02, 1.0],
+              "FA2 (SDPA flash)": [3.0] * 5}
+    assert bench.round_ratios({"round_ms": rounds}, "FA4 (CuTe DSL)") == [1.1, 0.9, 0.5, 1.02, 1.0]
+    assert bench.per_round(bench.round_ratios({"round_ms": rounds}, "FA4 (CuTe DSL)")) == "1.00 (2/5)"
+    assert bench.per_round(bench.round_ratios({"round_ms": rounds}, "FA2 (SDPA flash)")) == "3.00 (5/5)"
+    assert bench.per_round([2.0]) == "-"  # one round
+    assert bench.round_ratios({"round_ms": {"cute_attn": [1.0, 1.0], "FA4 (CuTe DSL)": None}}, "FA4 (CuTe DSL)") == []
+    assert bench.round_ratios({}, "FA4 (CuTe DSL)") == []
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "FakeGPU")
+    monkeypatch.setattr(bench, "_plot", lambda *a, **k: None)
+    row = {"mode": "bwd", "head_dim": 64, "causal": 0, "seqlen": 8192, "batch": 2, "heads": 32, "heads_kv": 32,
+           "cute_attn": 500.0, "FA2 (SDPA flash)": 250.0, "FA4 (CuTe DSL)": 510.0, "round_ms": rounds}
+
+    class Args:
+        modes, dtype, tokens, out, gqa = ["bwd"], "bf16", 16384, str(tmp_path), 1
+
+    bench._report([row], ["cute_attn"], ["FA2 (SDPA flash)", "FA4 (CuTe DSL)"], [], Args)
+    out = capsys.readouterr().out
+    assert "| cute_attn / best peer | per round (won) |" in out
+    assert "| 64 | 0 | 8192 | 500 | 250 | 510 | 2.00x | 0.98x | 1.00 (2/5) |" in out
 
 
 def test_decode_arguments(bench):
@@ -220,8 +245,10 @@ def test_merge_reports_each_rows_median_ratio(bench, tmp_path, capsys):
     import json
 
     def row(mode, s, ours, fa4, cudnn, sweep=None, ceiling=None):
+        # two rounds each: cute_attn at 1 ms, the peers at their ratio to it, then 10% and 20% slower
+        round_ms = {"cute_attn": [1.0, 1.0], "FA4 (CuTe DSL)": [ours / fa4, 1.1], "cuDNN (SDPA)": [ours / cudnn, 1.2]}
         r = {"mode": mode, "head_dim": 128, "causal": 1, "seqlen": s, "batch": 16384 // s, "heads": 16,
-             "heads_kv": 16, "cute_attn": ours, "FA4 (CuTe DSL)": fa4, "cuDNN (SDPA)": cudnn, "round_ms": {}}
+             "heads_kv": 16, "cute_attn": ours, "FA4 (CuTe DSL)": fa4, "cuDNN (SDPA)": cudnn, "round_ms": round_ms}
         if sweep:
             r["cute_attn m64n128s2"] = sweep
         if ceiling:
@@ -243,7 +270,8 @@ def test_merge_reports_each_rows_median_ratio(bench, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "median of 3 runs" in out
     # S 2048: best peers FA4 490 (not the sweep's 900 or the ceiling's 800), cuDNN 510, FA4 480
+    # per round, pooled over the runs against each run's best peer: 1.02, 1.1 / 0.99, 1.2 / 1.03, 1.1
     assert ("| 128 | 1 | 2048 | 16/16 | 500 / 505 / 495 | 490 (FA4 (CuTe DSL)) / 510 (cuDNN (SDPA)) / "
-            "480 (FA4 (CuTe DSL)) | 1.02 / 0.99 / 1.03 | 1.02x |") in out
-    assert "| 128 | 1 | 8192 | 16/16 | 600 / 620 / 590 |" in out and "| 0.98 / 1.03 / 0.98 | 0.98x |" in out
+            "480 (FA4 (CuTe DSL)) | 1.02 / 0.99 / 1.03 | 1.02x | 1.07 (5/6) |") in out
+    assert "| 128 | 1 | 8192 | 16/16 | 600 / 620 / 590 |" in out and "| 0.98 / 1.03 / 0.98 | 0.98x | 1.07 (4/6) |" in out
     assert "16384" not in out  # measured by one run only

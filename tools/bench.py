@@ -36,11 +36,12 @@ With ``--window W``, ``--softcap C`` or ``--varlen``, the table is of that featu
 feature beside cute_attn's dense kernel (causal for a window; no softcap; equal lengths for varlen)
 and the peers that have the feature: FA4 (window, softcap, varlen) and torch's
 ``varlen_attn`` (FlashAttention-2's varlen kernel, where this torch has it).
-Prints a markdown table (TFLOP/s, and cute_attn over the best peer); writes JSON and a PNG plot.
+Prints a markdown table (TFLOP/s, cute_attn over the best peer, and the same round by round:
+``per_round``); writes JSON and a PNG plot.
 A burst row of several milliseconds moves by 2-4% between runs (the clocks under the power limit),
 so a bar is judged on several runs of the same command (``--out`` one directory each, fresh
 processes): ``--merge DIR...`` reads their bench.json and prints each row's cute_attn and best peer
-per run, their ratios and the median ratio (``merge_lines``).
+per run, their ratios and the median ratio, and every run's rounds pooled (``merge_lines``).
 
 ``--decode`` (``decode_rows``) is memory-bound decoding against a KV cache: rows (B, Sq, Sk, heads
 q/kv) = DECODE_TABLE, d ``--decode-head-dim`` (128), each dense and with a paged cache of every
@@ -510,7 +511,8 @@ def merge_lines(dirs: list[str]) -> list[str]:
     """Markdown tables of the rows that every run in ``dirs`` (``--out`` directories of one
     command) measured: per run cute_attn's TFLOP/s and the best peer's (not cute_attn's own sweep
     columns, not the GEMM ceiling), their ratios, and the median ratio, the figure a bar is judged
-    on. A run without a peer in a row counts no ratio there."""
+    on; then every run's rounds pooled (``round_ratios`` against that run's best peer: their median
+    and the rounds won). A run without a peer in a row counts no ratio there."""
     runs = []
     for d in dirs:
         with open(os.path.join(d, "bench.json")) as f:
@@ -519,10 +521,11 @@ def merge_lines(dirs: list[str]) -> list[str]:
     lines = [f"median of {len(runs)} runs ({', '.join(dirs)})"]
     for mode in dict.fromkeys(k[0] for k in keys):
         lines += ["", f"{mode}:", "",
-                  "| d | causal | S | heads q/kv | cute_attn per run | best peer per run | cute_attn / best peer per run | median |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| d | causal | S | heads q/kv | cute_attn per run | best peer per run | cute_attn / best peer per run "
+                  "| median | per round, all runs (won) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for k in (k for k in keys if k[0] == mode):
-            ours, peers, ratios = [], [], []
+            ours, peers, ratios, rounds = [], [], [], []
             for run in runs:
                 row = run[k]
                 best = _best_peer(row, [c for c in row if c not in _ROW_FIELDS])
@@ -530,9 +533,10 @@ def merge_lines(dirs: list[str]) -> list[str]:
                 peers.append(f"{best[0]:.0f} ({best[1]})" if best else "-")
                 if best and row.get("cute_attn"):
                     ratios.append(row["cute_attn"] / best[0])
+                    rounds += round_ratios(row, best[1])
             median = f"{statistics.median(ratios):.2f}x" if ratios else "-"
             lines.append(f"| {k[1]} | {k[2]} | {k[3]} | {k[4]}/{k[5]} | {' / '.join(ours)} | {' / '.join(peers)} | "
-                         f"{' / '.join(f'{x:.2f}' for x in ratios) or '-'} | {median} |")
+                         f"{' / '.join(f'{x:.2f}' for x in ratios) or '-'} | {median} | {per_round(rounds)} |")
     return lines
 
 
@@ -541,6 +545,25 @@ def _best_peer(row: dict, cols) -> tuple[float, str] | None:
     not the GEMM ceiling, timed (None where no peer is)."""
     return max(((row[c], c) for c in cols if not c.startswith("cute_attn") and c != CEILING and row.get(c)),
                default=None)
+
+
+def round_ratios(row: dict, peer: str) -> list[float]:
+    """cute_attn's speed over ``peer`` in each round of ``row`` (``round_ms``: both timed once per
+    round, in an order shuffled anew each round); empty where either was not timed every round."""
+    rounds = row.get("round_ms") or {}
+    ours, theirs = rounds.get("cute_attn"), rounds.get(peer)
+    if not ours or not theirs or len(ours) != len(theirs):
+        return []
+    return [p / o for o, p in zip(ours, theirs)]
+
+
+def per_round(ratios: list[float]) -> str:
+    """Per-round ratios (``round_ratios``) as their median and the rounds cute_attn was the faster,
+    e.g. '1.01 (6/9)'. A single round of a long burst row moves by up to +-20% (H100, 2026-11-27),
+    which a ratio of medians hides; '-' with fewer than two rounds."""
+    if len(ratios) < 2:
+        return "-"
+    return f"{statistics.median(ratios):.2f} ({sum(x > 1 for x in ratios)}/{len(ratios)})"
 
 
 def _row_key(row: dict) -> tuple:
@@ -569,14 +592,16 @@ def _report(rows, ours, peers, extra, args):
               f"{args.tokens} tokens{_gqa_note(args)}, "
               f"{title} TFLOP/s\n")
         tail = " | cute_attn / ceiling |" if extra else " |"
-        print("| d | causal | S | " + " | ".join(cols) + " | cute_attn / FA2 | cute_attn / best peer" + tail)
-        print("|---|---|---|" + "---|" * (len(cols) + 2 + bool(extra)))
+        print("| d | causal | S | " + " | ".join(cols) + " | cute_attn / FA2 | cute_attn / best peer"
+              + " | per round (won)" + tail)
+        print("|---|---|---|" + "---|" * (len(cols) + 3 + bool(extra)))
         for r in sel:
-            best = max((r[p] for p in peers if r.get(p)), default=None)
+            best = _best_peer(r, peers)
             cells = [f"{r[c]:.0f}" if r.get(c) else "-" for c in cols]
             ceiling = f" {ratio(r, r.get(CEILING))} |" if extra else ""
             print(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(cells)
-                  + f" | {ratio(r, r.get(fa2))} | {ratio(r, best)} |" + ceiling)
+                  + f" | {ratio(r, r.get(fa2))} | {ratio(r, best and best[0])} | "
+                  + f"{per_round(round_ratios(r, best[1])) if best else '-'} |" + ceiling)
     os.makedirs(args.out, exist_ok=True)
     meta = {"gpu": gpu, "date": stamp, "torch": torch.__version__, "cutlass_dsl": dsl, "dtype": args.dtype}
     with open(os.path.join(args.out, "bench.json"), "w") as f:
