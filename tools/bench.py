@@ -596,12 +596,12 @@ def _report(rows, ours, peers, extra, args):
               + " | per round (won)" + tail)
         print("|---|---|---|" + "---|" * (len(cols) + 3 + bool(extra)))
         for r in sel:
-            best = _best_peer(r, peers)
+            best, best_name = _best_peer(r, peers) or (None, None)
             cells = [f"{r[c]:.0f}" if r.get(c) else "-" for c in cols]
             ceiling = f" {ratio(r, r.get(CEILING))} |" if extra else ""
             print(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(cells)
-                  + f" | {ratio(r, r.get(fa2))} | {ratio(r, best and best[0])} | "
-                  + f"{per_round(round_ratios(r, best[1])) if best else '-'} |" + ceiling)
+                  + f" | {ratio(r, r.get(fa2))} | {ratio(r, best)} | {per_round(round_ratios(r, best_name))} |"
+                  + ceiling)
     os.makedirs(args.out, exist_ok=True)
     meta = {"gpu": gpu, "date": stamp, "torch": torch.__version__, "cutlass_dsl": dsl, "dtype": args.dtype}
     with open(os.path.join(args.out, "bench.json"), "w") as f:
