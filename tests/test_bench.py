@@ -113,6 +113,66 @@ def test_per_round_ratio_against_the_best_peer(bench, tmp_path, monkeypatch, cap
     assert "| 64 | 0 | 8192 | 500 | 250 | 510 | 2.00x | 0.98x | 1.00 (2/5) |" in out
 
 
+def test_clock_samples_and_cycles_per_round(bench, tmp_path, monkeypatch, capsys):
+    """--clocks: nvidia-smi's lines become (time, MHz, W, power-capped) samples; each timing window
+    gets its mean clock, and a row its per-round ratio in cycles (ms x MHz) beside the one in
+    time: a round cute_attn lost in time on a lower clock can be won in cycles."""
+    import datetime
+
+    def stamp(seconds):
+        return datetime.datetime.fromtimestamp(1_800_000_000 + seconds).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+
+    lines = [f"{stamp(0.00)}, 1980, 150.5, 0x0000000000000000", f"{stamp(0.01)}, 1500, 690.0, 0x0000000000000004",
+             f"{stamp(0.02)}, 1200, 700.1, 0x0000000000000004", f"{stamp(0.03)}, 1600, 699.0, 0x0000000000000004",
+             f"{stamp(0.04)}, 1800", "not a sample"]  # the last sample cut off, then a stray line
+    samples = bench.parse_clock_samples(lines)
+    t0 = 1_800_000_000
+    assert [(round(t - t0, 2), mhz, watts, capped) for t, mhz, watts, capped in samples] == [
+        (0.0, 1980.0, 150.5, False), (0.01, 1500.0, 690.0, True), (0.02, 1200.0, 700.1, True),
+        (0.03, 1600.0, 699.0, True)]
+    assert bench.window_clock(samples, t0 + 0.005, t0 + 0.025) == 1350.0
+    assert bench.window_clock(samples, t0 + 1.0, t0 + 2.0) is None
+
+    # round 1: FA4 faster in time (1.0 vs 1.1 ms) but on a higher clock; round 2: level
+    row = {"mode": "fwdbwd", "head_dim": 128, "causal": 0, "seqlen": 8192, "batch": 2, "heads": 16, "heads_kv": 16,
+           "cute_attn": 600.0, "FA4 (CuTe DSL)": 610.0,
+           "round_ms": {"cute_attn": [1.1, 1.0], "FA4 (CuTe DSL)": [1.0, 1.0]},
+           "windows": {"cute_attn": [(t0 + 0.015, t0 + 0.025), (t0 - 1, t0 - 0.5)],
+                       "FA4 (CuTe DSL)": [(t0 - 0.005, t0 + 0.005), (t0 + 0.025, t0 + 0.035)]}}
+    bench.add_round_clocks(row, samples)
+    assert row["round_mhz"] == {"cute_attn": [1200.0, None], "FA4 (CuTe DSL)": [1980.0, 1600.0]}
+    assert row["power_capped"] == 2 / 3  # the samples inside any timing window: 1200 (capped), 1980, 1600 (capped)
+    assert bench.cycle_ratios(row, "FA4 (CuTe DSL)") == []  # a round without a sample: no cycles ratio
+    row["round_mhz"]["cute_attn"][1] = 1600.0
+    cycles = bench.cycle_ratios(row, "FA4 (CuTe DSL)")
+    assert [round(x, 3) for x in cycles] == [round(1.0 * 1980 / (1.1 * 1200), 3), 1.0]
+    assert bench.per_round(bench.round_ratios(row, "FA4 (CuTe DSL)")) == "0.95 (0/2)"
+    assert bench.per_round(cycles) == "1.25 (1/2)"
+
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda: "FakeGPU")
+    monkeypatch.setattr(bench, "_plot", lambda *a, **k: None)
+    del row["windows"]
+
+    class Args:
+        modes, dtype, tokens, out, gqa, sustained = ["fwdbwd"], "bf16", 16384, str(tmp_path), 1, 2.0
+
+    bench._report([row], ["cute_attn"], ["FA4 (CuTe DSL)"], [], Args)
+    out = capsys.readouterr().out
+    assert "| d | causal | S | cute_attn MHz | best peer MHz | power-capped | per round (won) " \
+           "| per round in cycles (won) |" in out
+    assert "| 128 | 0 | 8192 | 1400 | 1790 (FA4 (CuTe DSL)) | 67% | 0.95 (0/2) | 1.25 (1/2) |" in out
+    Args.sustained = 0.0  # bursts: the clock reading lags them, so no cycles column
+    bench._report([row], ["cute_attn"], ["FA4 (CuTe DSL)"], [], Args)
+    out = capsys.readouterr().out
+    assert "| 128 | 0 | 8192 | 1400 | 1790 (FA4 (CuTe DSL)) | 67% | 0.95 (0/2) |\n" in out
+    assert "in cycles" not in out
+    assert bench._parser().parse_args(["--clocks"]).clocks and not bench._parser().parse_args([]).clocks
+    # a row without --clocks prints no clocks table
+    bench._report([{k: v for k, v in row.items() if k not in ("round_mhz", "power_capped")}], ["cute_attn"],
+                  ["FA4 (CuTe DSL)"], [], Args)
+    assert "cute_attn MHz" not in capsys.readouterr().out
+
+
 def test_decode_arguments(bench):
     args = bench._parser().parse_args(["--decode"])
     assert args.decode and not args.decode_latency and not args.decode_sweep_only

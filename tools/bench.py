@@ -6,6 +6,7 @@
     python tools/bench.py --sweep m128n64w4s2 m128n128s2o0  # cute_attn with other traits too (SM80, SM90)
     python tools/bench.py --ceiling             # and a bf16 8192^3 matmul in every round, as a ceiling
     python tools/bench.py --sustained 2         # 2 s of back-to-back calls per timing (power-limited)
+    python tools/bench.py --clocks              # and the SM clock per row (nvidia-smi), cycles when sustained
     python tools/bench.py --modes bwd --deterministic  # and cute_attn's backward with deterministic=True
     python tools/bench.py --window 1024 --seqlens 16384   # sliding window (1024, 0): vs dense causal, FA4
     python tools/bench.py --softcap 30                    # with softcap 30 vs without, FA4 with it
@@ -77,6 +78,7 @@ import os
 import random
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -202,8 +204,6 @@ def _sustained_ms(fn, seconds: float) -> float:
     """Mean milliseconds per call over ``seconds`` of back-to-back calls after half a second of
     warm-up: the GPU at its power limit and the clocks that holds, as in training, where
     do_bench's short bursts may still run on clocks a cooler GPU allows."""
-    import time
-
     for budget in (0.5, seconds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -238,14 +238,93 @@ def _settle_cute_attn_builds(calls) -> None:
         cute_attn_compile.wait_for_background_builds(900)
 
 
+class ClockLog:
+    """The GPU's SM clock, power draw and clock-limit reasons, sampled every 10 ms by
+    ``nvidia-smi -lms`` into a file for the length of a run (``--clocks``). A timing's window
+    (wall-clock start and end) then gets its mean clock (``window_clock``). The reading changes
+    in steps some 20-150 ms apart (H100, 2026-11-27), so within a ~20 ms burst it tells the
+    regime (clocks between ~1450 and 1980 MHz under the 700 W cap) rather than the clock the
+    kernel ran at: a burst timed at 1920 MHz was also seen to run slower than one at 1560. Over
+    a ``--sustained`` timing of seconds the mean holds, and the rounds' cycles per call
+    (``cycle_ratios``) tell a kernel that needs fewer cycles from one that met higher clocks."""
+
+    def __init__(self, path: str):
+        import subprocess
+
+        self.path = path
+        # the GPU torch uses, by UUID (nvidia-smi numbers GPUs without CUDA_VISIBLE_DEVICES)
+        uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+        device = f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
+        query = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
+        self._file = open(path, "w")
+        self._proc = subprocess.Popen(["nvidia-smi", "-i", device, f"--query-gpu={query}",
+                                       "--format=csv,noheader,nounits", "-lms", "10"],
+                                      stdout=self._file, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> list[tuple]:
+        self._proc.terminate()
+        self._proc.wait()
+        self._file.close()
+        with open(self.path) as f:
+            return parse_clock_samples(f)
+
+
+# nvidia-smi's clocks_event_reasons bit for the software power cap (the board's power limit)
+SW_POWER_CAP = 0x4
+
+
+def parse_clock_samples(lines) -> list[tuple]:
+    """(unix time, SM MHz, watts, power-capped) per ``nvidia-smi --query-gpu=timestamp,clocks.sm,
+    power.draw,clocks_event_reasons.active --format=csv,noheader,nounits`` line (local time, as
+    ``time.time()`` reads it); lines that do not parse (a sample cut off at the end) are skipped."""
+    samples = []
+    for line in lines:
+        fields = [x.strip() for x in line.split(",")]
+        try:
+            stamp = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            samples.append((stamp, float(fields[1]), float(fields[2]), bool(int(fields[3], 16) & SW_POWER_CAP)))
+        except (ValueError, IndexError):
+            continue
+    return samples
+
+
+def window_clock(samples: list[tuple], start: float, end: float) -> float | None:
+    """Mean SM MHz of the samples within [start, end] (None: no sample there)."""
+    inside = [mhz for t, mhz, _, _ in samples if start <= t <= end]
+    return statistics.mean(inside) if inside else None
+
+
+def add_round_clocks(row: dict, samples: list[tuple]) -> None:
+    """``row["round_mhz"]``: each implementation's mean SM MHz in each round (from the timing
+    windows in ``row["windows"]``), and ``row["power_capped"]``: the share of the row's samples
+    taken under the power cap."""
+    windows = row.get("windows") or {}
+    row["round_mhz"] = {name: [window_clock(samples, *w) for w in ws] for name, ws in windows.items()}
+    spans = [w for ws in windows.values() for w in ws]
+    inside = [capped for t, _, _, capped in samples if any(a <= t <= b for a, b in spans)]
+    row["power_capped"] = sum(inside) / len(inside) if inside else None
+
+
+def cycle_ratios(row: dict, peer: str) -> list[float]:
+    """As ``round_ratios``, in GPU cycles per call (milliseconds x that round's mean MHz,
+    ``round_mhz``) instead of time: above 1 where cute_attn took fewer cycles than ``peer``."""
+    mhz = row.get("round_mhz") or {}
+    ours, theirs = mhz.get("cute_attn"), mhz.get(peer)
+    ratios = round_ratios(row, peer)
+    if not ratios or not ours or not theirs or None in ours or None in theirs:
+        return []
+    return [r * p / o for r, o, p in zip(ratios, ours, theirs)]
+
+
 def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int, where: str,
-                      sustained_s: float = 0.0, timed=None) -> dict:
+                      sustained_s: float = 0.0, timed=None, windows: dict | None = None) -> dict:
     """Milliseconds per implementation in each of ``rounds`` rounds, each round timing every
     implementation once, in an order shuffled anew each round: clock and power drift during a run
     then reach every column alike instead of favouring whichever ran first (the caller takes the
     median). None for one that failed; the ceiling matmul is always timed as a forward. ``timed``
     replaces ``_timed`` (the decode mode's timer). cute_attn's kernels are settled first
-    (``_settle_cute_attn_builds``)."""
+    (``_settle_cute_attn_builds``). ``windows``: filled with each timing's wall-clock (start,
+    end) per implementation, for ``ClockLog``."""
     _settle_cute_attn_builds([lambda fn=fn: fn(q, k, v, causal) for fn in impls.values()])
     times = {name: [] for name in impls}
     for r in range(rounds):
@@ -261,8 +340,14 @@ def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int
             if times[name] is None:
                 continue
             try:
+                if windows is not None:
+                    torch.cuda.synchronize()
+                    start = time.time()
                 times[name].append((timed or _timed)(fn, q, k, v, causal, "fwd" if name == CEILING else mode,
                                                      max(100 / rounds, 20), sustained_s))
+                if windows is not None:
+                    torch.cuda.synchronize()
+                    windows.setdefault(name, []).append((start, time.time()))
             except Exception as e:  # noqa: BLE001
                 print(f"# {name} {mode} failed at {where}: {type(e).__name__}: {e}", file=sys.stderr)
                 times[name] = None
@@ -302,6 +387,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--varlen-lengths", type=int, nargs=2, default=[128, 4096], metavar=("MIN", "MAX"),
                    help="--varlen: the range of the random lengths (short ones make batches of many sequences: "
                         "the SM90 forward numbers non-causal tiles without holes up to 32)")
+    p.add_argument("--clocks", action="store_true",
+                   help="dense tables: log the SM clock (nvidia-smi, every 10 ms) and add a table of each row's clocks, "
+                        "its share of samples under the power cap and, with --sustained 1 or more, its per-round "
+                        "ratio in GPU cycles per call beside the one in time (ClockLog)")
     p.add_argument("--out", default="bench_results", help="directory for JSON and PNG")
     p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
                    help="no timing: the bench.json of several runs' --out directories, each row's median ratio")
@@ -356,6 +445,8 @@ def main(argv=None):
     if args.ceiling:
         extra[CEILING] = _ceiling_runner()
     rows = []
+    os.makedirs(args.out, exist_ok=True)
+    clocks = ClockLog(os.path.join(args.out, "clocks.csv")) if args.clocks else None
     for mode in args.modes:
         impls = {**ours, **peers} if mode == "fwd" else {"cute_attn": ours["cute_attn"], **ours_bwd, **peers}
         impls.update(extra)
@@ -370,13 +461,22 @@ def main(argv=None):
                     flops *= {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[mode]
                     row = {"mode": mode, "head_dim": d, "causal": causal, "seqlen": s, "batch": batch, "heads": heads,
                            "heads_kv": heads_kv}
+                    windows = {} if clocks else None
                     times = _time_interleaved(impls, q, k, v, bool(causal), mode, args.rounds,
-                                              f"d={d} causal={causal} S={s}", args.sustained)
+                                              f"d={d} causal={causal} S={s}", args.sustained, windows=windows)
                     for name, t in times.items():
                         row[name] = None if not t else (CEILING_FLOPS if name == CEILING else flops) / statistics.median(t) / 1e9
                     row["round_ms"] = times  # every round's milliseconds, for the spread
+                    if windows is not None:
+                        row["windows"] = windows  # (replaced by the rounds' clocks below)
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
+    if clocks:
+        samples = clocks.stop()
+        for row in rows:
+            add_round_clocks(row, samples)
+    for row in rows:
+        row.pop("windows", None)
     _report(rows, list(ours) + list(ours_bwd), list(peers), list(extra), args)
 
 
@@ -504,7 +604,8 @@ def _gqa_note(args) -> str:
 
 
 # the fields of a bench.json row that are not an implementation's TFLOP/s
-_ROW_FIELDS = ("mode", "head_dim", "causal", "seqlen", "batch", "heads", "heads_kv", "round_ms")
+_ROW_FIELDS = ("mode", "head_dim", "causal", "seqlen", "batch", "heads", "heads_kv", "round_ms", "round_mhz",
+               "power_capped")
 
 
 def merge_lines(dirs: list[str]) -> list[str]:
@@ -566,6 +667,29 @@ def per_round(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f} ({sum(x > 1 for x in ratios)}/{len(ratios)})"
 
 
+def clock_lines(rows: list[dict], peers: list[str], cycles: bool) -> list[str]:
+    """``--clocks``: per row the median SM MHz of cute_attn's and the best peer's timings, the share
+    of samples under the power cap, the per-round ratio in time and, with ``cycles`` (sustained
+    timings, where a window's mean clock holds: ``ClockLog``), the one in cycles per call."""
+    lines = ["| d | causal | S | cute_attn MHz | best peer MHz | power-capped | per round (won) |"
+             + (" per round in cycles (won) |" if cycles else ""), "|---|---|---|---|---|---|---|" + "---|" * cycles]
+    for r in rows:
+        best = _best_peer(r, peers)
+        mhz = r.get("round_mhz") or {}
+
+        def median_mhz(name):
+            values = [x for x in mhz.get(name) or [] if x is not None]
+            return f"{statistics.median(values):.0f}" if values else "-"
+
+        capped = "-" if r.get("power_capped") is None else f"{100 * r['power_capped']:.0f}%"
+        peer = best[1] if best else None
+        lines.append(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | {median_mhz('cute_attn')} | "
+                     f"{median_mhz(peer) if peer else '-'} ({peer or '-'}) | {capped} | "
+                     f"{per_round(round_ratios(r, peer)) if peer else '-'} |"
+                     + (f" {per_round(cycle_ratios(r, peer)) if peer else '-'} |" if cycles else ""))
+    return lines
+
+
 def _row_key(row: dict) -> tuple:
     return (row["mode"], row["head_dim"], row["causal"], row["seqlen"], row["heads"], row["heads_kv"])
 
@@ -602,6 +726,8 @@ def _report(rows, ours, peers, extra, args):
             print(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(cells)
                   + f" | {ratio(r, r.get(fa2))} | {ratio(r, best)} | {per_round(round_ratios(r, best_name))} |"
                   + ceiling)
+        if any(r.get("round_mhz") for r in sel):
+            print("\n" + "\n".join(clock_lines(sel, peers, cycles=args.sustained >= 1)))
     os.makedirs(args.out, exist_ok=True)
     meta = {"gpu": gpu, "date": stamp, "torch": torch.__version__, "cutlass_dsl": dsl, "dtype": args.dtype}
     with open(os.path.join(args.out, "bench.json"), "w") as f:
@@ -1118,8 +1244,6 @@ def _copy_rate(args) -> dict:
 
 def _host_us(fn, calls: int) -> float:
     """Wall microseconds per call from Python over ``calls`` back-to-back calls, one sync at the end."""
-    import time
-
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
