@@ -173,6 +173,33 @@ def test_clock_samples_and_cycles_per_round(bench, tmp_path, monkeypatch, capsys
     assert "cute_attn MHz" not in capsys.readouterr().out
 
 
+def test_clock_windows_cover_the_timed_calls_only(bench, monkeypatch):
+    """--clocks: a timing's window is its timed calls (do_bench's ~rep_ms at the end, or the
+    sustained seconds), not the first calls before them, where a peer may compile while the GPU
+    idles at its top clock."""
+    clock = [100.0]
+
+    def fake_timed(fn, q, k, v, causal, mode, rep_ms, sustained_s=0.0):
+        clock[0] += 10.0  # a compile, warm-up, then the timed calls
+        return 30.0
+
+    monkeypatch.setattr(bench, "_timed", fake_timed)
+    monkeypatch.setattr(bench.time, "time", lambda: clock[0])
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    windows = {}
+    bench._time_interleaved({"a": lambda *a: None}, None, None, None, False, "bwd", 2, "test", windows=windows)
+    # 2 rounds: rep_ms 50 (more than a 30 ms call), so the last 0.05 s of each timing
+    assert windows == {"a": [(pytest.approx(109.95), 110.0), (pytest.approx(119.95), 120.0)]}
+    windows = {}
+    bench._time_interleaved({"a": lambda *a: None}, None, None, None, False, "bwd", 9, "test", sustained_s=2.0,
+                            windows=windows)
+    assert windows["a"][0] == (128.0, 130.0) and len(windows["a"]) == 9
+    windows = {}
+    monkeypatch.setattr(bench, "_timed", lambda *a: (clock.__setitem__(0, clock[0] + 0.01), 30.0)[1])
+    bench._time_interleaved({"a": lambda *a: None}, None, None, None, False, "bwd", 2, "test", windows=windows)
+    assert windows["a"][0][1] - windows["a"][0][0] == pytest.approx(0.01)  # never before the timing's start
+
+
 def test_decode_arguments(bench):
     args = bench._parser().parse_args(["--decode"])
     assert args.decode and not args.decode_latency and not args.decode_sweep_only

@@ -203,7 +203,11 @@ def _time_ms(fn, rep_ms: float, sustained_s: float = 0.0) -> float:
 def _sustained_ms(fn, seconds: float) -> float:
     """Mean milliseconds per call over ``seconds`` of back-to-back calls after half a second of
     warm-up: the GPU at its power limit and the clocks that holds, as in training, where
-    do_bench's short bursts may still run on clocks a cooler GPU allows."""
+    do_bench's short bursts may still run on clocks a cooler GPU allows. A first call beforehand
+    (a peer may compile its backward there, for seconds, while the GPU cools) does not count as
+    warm-up."""
+    fn()
+    torch.cuda.synchronize()
     for budget in (0.5, seconds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -243,7 +247,7 @@ class ClockLog:
     ``nvidia-smi -lms`` into a file for the length of a run (``--clocks``). A timing's window
     (wall-clock start and end) then gets its mean clock (``window_clock``). The reading changes
     in steps some 20-150 ms apart (H100, 2026-11-27), so within a ~20 ms burst it tells the
-    regime (clocks between ~1450 and 1980 MHz under the 700 W cap) rather than the clock the
+    regime (clocks between ~1200 and 1980 MHz under the 700 W cap) rather than the clock the
     kernel ran at: a burst timed at 1920 MHz was also seen to run slower than one at 1560. Over
     a ``--sustained`` timing of seconds the mean holds, and the rounds' cycles per call
     (``cycle_ratios``) tell a kernel that needs fewer cycles from one that met higher clocks."""
@@ -323,8 +327,8 @@ def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int
     then reach every column alike instead of favouring whichever ran first (the caller takes the
     median). None for one that failed; the ceiling matmul is always timed as a forward. ``timed``
     replaces ``_timed`` (the decode mode's timer). cute_attn's kernels are settled first
-    (``_settle_cute_attn_builds``). ``windows``: filled with each timing's wall-clock (start,
-    end) per implementation, for ``ClockLog``."""
+    (``_settle_cute_attn_builds``). ``windows``: filled with the wall-clock (start, end) of
+    each timing's timed calls per implementation, for ``ClockLog``."""
     _settle_cute_attn_builds([lambda fn=fn: fn(q, k, v, causal) for fn in impls.values()])
     times = {name: [] for name in impls}
     for r in range(rounds):
@@ -343,11 +347,17 @@ def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int
                 if windows is not None:
                     torch.cuda.synchronize()
                     start = time.time()
-                times[name].append((timed or _timed)(fn, q, k, v, causal, "fwd" if name == CEILING else mode,
-                                                     max(100 / rounds, 20), sustained_s))
+                rep_ms = max(100 / rounds, 20)
+                ms = (timed or _timed)(fn, q, k, v, causal, "fwd" if name == CEILING else mode, rep_ms, sustained_s)
+                times[name].append(ms)
                 if windows is not None:
                     torch.cuda.synchronize()
-                    windows.setdefault(name, []).append((start, time.time()))
+                    end = time.time()
+                    # the timed calls are the last ones (do_bench's ~rep_ms, or the sustained
+                    # seconds): not the warm-up and first calls before them, which may compile
+                    # while the GPU idles at its top clock
+                    timed_s = sustained_s if sustained_s else max(rep_ms, ms) / 1e3
+                    windows.setdefault(name, []).append((max(start, end - timed_s), end))
             except Exception as e:  # noqa: BLE001
                 print(f"# {name} {mode} failed at {where}: {type(e).__name__}: {e}", file=sys.stderr)
                 times[name] = None
