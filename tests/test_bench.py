@@ -200,6 +200,17 @@ def test_clock_windows_cover_the_timed_calls_only(bench, monkeypatch):
     assert windows["a"][0][1] - windows["a"][0][0] == pytest.approx(0.01)  # never before the timing's start
 
 
+def test_clocks_without_nvidia_smi_is_a_clear_exit(bench, tmp_path, monkeypatch):
+    def no_smi(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr("subprocess.Popen", no_smi)
+    monkeypatch.setattr(bench.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_properties", lambda i: type("Props", (), {"uuid": "x"})())
+    with pytest.raises(SystemExit, match="nvidia-smi"):
+        bench.ClockLog(str(tmp_path / "clocks.csv"))
+
+
 def test_decode_arguments(bench):
     args = bench._parser().parse_args(["--decode"])
     assert args.decode and not args.decode_latency and not args.decode_sweep_only

@@ -261,9 +261,13 @@ class ClockLog:
         device = f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
         query = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
         self._file = open(path, "w")
-        self._proc = subprocess.Popen(["nvidia-smi", "-i", device, f"--query-gpu={query}",
-                                       "--format=csv,noheader,nounits", "-lms", "10"],
-                                      stdout=self._file, stderr=subprocess.DEVNULL)
+        try:
+            self._proc = subprocess.Popen(["nvidia-smi", "-i", device, f"--query-gpu={query}",
+                                           "--format=csv,noheader,nounits", "-lms", "10"],
+                                          stdout=self._file, stderr=subprocess.DEVNULL)
+        except FileNotFoundError:
+            self._file.close()
+            raise SystemExit("--clocks samples the clock with nvidia-smi, which is not on PATH") from None
 
     def stop(self) -> list[tuple]:
         self._proc.terminate()
