@@ -335,6 +335,7 @@ def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int
     each timing's timed calls per implementation, for ``ClockLog``."""
     _settle_cute_attn_builds([lambda fn=fn: fn(q, k, v, causal) for fn in impls.values()])
     times = {name: [] for name in impls}
+    rep_ms = max(100 / rounds, 20)
     for r in range(rounds):
         # A new order every round (seeded: the same in every run), so that no implementation always
         # follows the same one: the one right after a power-hungry kernel starts on lowered clocks
@@ -351,7 +352,6 @@ def _time_interleaved(impls: dict, q, k, v, causal: bool, mode: str, rounds: int
                 if windows is not None:
                     torch.cuda.synchronize()
                     start = time.time()
-                rep_ms = max(100 / rounds, 20)
                 ms = (timed or _timed)(fn, q, k, v, causal, "fwd" if name == CEILING else mode, rep_ms, sustained_s)
                 times[name].append(ms)
                 if windows is not None:
@@ -687,18 +687,16 @@ def clock_lines(rows: list[dict], peers: list[str], cycles: bool) -> list[str]:
     timings, where a window's mean clock holds: ``ClockLog``), the one in cycles per call."""
     lines = ["| d | causal | S | cute_attn MHz | best peer MHz | power-capped | per round (won) |"
              + (" per round in cycles (won) |" if cycles else ""), "|---|---|---|---|---|---|---|" + "---|" * cycles]
+    def median_mhz(row, name):
+        values = [x for x in (row.get("round_mhz") or {}).get(name) or [] if x is not None]
+        return f"{statistics.median(values):.0f}" if values else "-"
+
     for r in rows:
         best = _best_peer(r, peers)
-        mhz = r.get("round_mhz") or {}
-
-        def median_mhz(name):
-            values = [x for x in mhz.get(name) or [] if x is not None]
-            return f"{statistics.median(values):.0f}" if values else "-"
-
         capped = "-" if r.get("power_capped") is None else f"{100 * r['power_capped']:.0f}%"
         peer = best[1] if best else None
-        lines.append(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | {median_mhz('cute_attn')} | "
-                     f"{median_mhz(peer) if peer else '-'} ({peer or '-'}) | {capped} | "
+        lines.append(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | {median_mhz(r, 'cute_attn')} | "
+                     f"{median_mhz(r, peer) if peer else '-'} ({peer or '-'}) | {capped} | "
                      f"{per_round(round_ratios(r, peer)) if peer else '-'} |"
                      + (f" {per_round(cycle_ratios(r, peer)) if peer else '-'} |" if cycles else ""))
     return lines
