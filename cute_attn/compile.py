@@ -49,6 +49,8 @@ from cute_attn.traits import (
     PAGE_BLOCK_MIN,
     SM90_BACKWARD,
     SM90_BACKWARD_LONG,
+    SM90_BACKWARD_STREAM_K,
+    STREAM_K_ROW,
     SM90_CAUSAL_DYNAMIC_TILES,
     SM90_PAGE_ROWS,
     BackwardTraits,
@@ -258,24 +260,39 @@ def backward_long_key(main: BackwardKey) -> BackwardKey | None:
     return dataclasses.replace(main, candidates=(long, *sm90_backward_fallbacks(long)))
 
 
+def backward_stream_k_key(main: BackwardKey) -> BackwardKey | None:
+    """The Stream-K tier of ``main`` (traits.SM90_BACKWARD_STREAM_K, where traits.stream_k_blocks
+    deals out blocks), or None where it has none: SM90, plain non-causal, not deterministic, the
+    table's own traits (an explicit-traits key has no tier)."""
+    tier = SM90_BACKWARD_STREAM_K.get(main.head_dim)
+    if (tier is None or main.kernel != "sm90" or main.causal or main.deterministic
+            or main.features != NO_FEATURES or main.candidates[0] != SM90_BACKWARD[main.head_dim][False]):
+        return None
+    return dataclasses.replace(main, candidates=(tier, *sm90_backward_fallbacks(tier)))
+
+
 def backward_tier_siblings(key) -> list:
     """The backward kernels built together with ``key`` on its first use (compile.KernelCache's
-    group): a main kernel with a long-sequence tier (``backward_long_key``) comes with that tier
-    and its postprocess, and the tier with the main kernel, so that a later length never compiles.
+    group): a main kernel with a tier (the causal long-sequence one, ``backward_long_key``, or
+    the non-causal Stream-K one, ``backward_stream_k_key``) comes with that tier and its
+    postprocess, and the tier with the main kernel, so that a later length never compiles.
     Other keys come alone."""
     if not isinstance(key, BackwardKey) or key.kernel != "sm90":
         return [key]
-    long = SM90_BACKWARD_LONG.get(key.head_dim)
-    if long is not None and key.candidates[0] == long:  # the tier: the main kernel's, as backward_keys makes it
-        main = dataclasses.replace(key, candidates=sm90_backward_traits(key.head_dim, True))
-        return [key, main, backward_post_key(main, main.candidates[0])]
-    tier = backward_long_key(key)
-    return [key] if tier is None else [key, tier, backward_post_key(tier, long)]
+    for table, causal in ((SM90_BACKWARD_LONG, True), (SM90_BACKWARD_STREAM_K, False)):
+        tier = table.get(key.head_dim)
+        if tier is not None and key.candidates[0] == tier:  # a tier: the main kernel's, as backward_keys makes it
+            main = dataclasses.replace(key, candidates=sm90_backward_traits(key.head_dim, causal))
+            return [key, main, backward_post_key(main, main.candidates[0])]
+    tier = backward_long_key(key) or backward_stream_k_key(key)
+    return [key] if tier is None else [key, tier, backward_post_key(tier, tier.candidates[0])]
 
 
 def backward_post_key(main: BackwardKey, chosen: BackwardTraits) -> RowKernelKey:
     """The postprocess for the traits the main kernel was compiled with (it reads the dQ
-    accumulator in that kernel's dQ MMA layout)."""
+    accumulator in that kernel's dQ MMA layout, which Stream-K leaves as it is)."""
+    if isinstance(chosen, Sm90BackwardTraits):
+        chosen = dataclasses.replace(chosen, stream_k=False)
     return RowKernelKey("bwd_post", main.target, main.dtype, main.head_dim, main.check_hdim, chosen,
                         varlen=main.features.varlen)
 
@@ -436,8 +453,10 @@ def sm90_split_dkv_fp32(traits: Sm90BackwardTraits) -> bool:
 def _fake_sm90_backward_args(key: "BackwardKey", traits: Sm90BackwardTraits) -> tuple:
     """What the SM90 backward takes after the feature arguments (before the stream): the number
     of SMs (a persistent grid's size), the query-head splits of a K/V head (GQA), the sequences'
-    order (varlen, not causal: longest first, interface._longest_first) and the fp32 dK/dV of split
-    heads (2, batch, seqlen_k, heads, head_dim_padded) where ``sm90_split_dkv_fp32``."""
+    order (varlen, not causal: longest first, interface._longest_first), the fp32 dK/dV of split
+    heads (2, batch, seqlen_k, heads, head_dim_padded) where ``sm90_split_dkv_fp32``, and
+    Stream-K's blocks, workspace (num_sms, 2, tile_n * head_dim_padded) fp32, flags (num_sms,) and
+    items (num_sms, STREAM_K_ROW) int32 where ``traits.stream_k``."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -450,7 +469,15 @@ def _fake_sm90_backward_args(key: "BackwardKey", traits: Sm90BackwardTraits) -> 
         split = make_fake_tensor(cutlass.Float32, (2, sym(), sym(), sym(), key.head_dim),
                                  stride=(sym64(divisibility=4), sym64(divisibility=4), sym64(divisibility=4),
                                          key.head_dim, 1), assumed_align=16)
-    return (cutlass.Int32(132), cutlass.Int32(1), order, split)
+    work = flags = items = None
+    if traits.stream_k:
+        tile = traits.tile_n * key.head_dim
+        work = make_fake_tensor(cutlass.Float32, (cute.sym_int(), 2, tile), stride=(2 * tile, tile, 1),
+                                assumed_align=16)
+        flags = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+        items = make_fake_tensor(cutlass.Int32, (cute.sym_int(), STREAM_K_ROW), stride=(STREAM_K_ROW, 1),
+                                 assumed_align=4)
+    return (cutlass.Int32(132), cutlass.Int32(1), order, split, cutlass.Int32(0), work, flags, items)
 
 
 def build_backward(key, keep_artifacts: bool = False):
@@ -494,7 +521,7 @@ def build_backward(key, keep_artifacts: bool = False):
                 kernel = bwd90.FlashAttentionBackwardSm90(
                     dtype, key.head_dim, tr.tile_m, tr.tile_n, tr.num_stages, key.causal, key.deterministic,
                     features=key.features, longest_first=tr.longest_first,
-                    persistent=tr.persistent,
+                    persistent=tr.persistent, stream_k=tr.stream_k,
                 )
             else:
                 kernel = bwd.FlashAttentionBackwardSm80(
@@ -1201,8 +1228,9 @@ def backward_variants(
                                 pre, main = backward_keys(target, dtype, d, c, det, traits=traits, kernel=kernel,
                                                           features=f)
                                 keys[pre] = None
-                                # with the long-sequence tier the runtime builds beside it
-                                for m in filter(None, (main, None if traits else backward_long_key(main))):
+                                # with the tiers the runtime builds beside it (long causal, Stream-K)
+                                tiers = () if traits else (backward_long_key(main), backward_stream_k_key(main))
+                                for m in filter(None, (main, *tiers)):
                                     keys[m] = None
                                     for chosen in m.candidates:  # whichever the main kernel ends up with
                                         keys[backward_post_key(m, chosen)] = None

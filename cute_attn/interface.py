@@ -813,8 +813,9 @@ def backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: fl
     given = tuple(t for t in (dq, dk, dv) if t is not None)
     tensors = (dout, q, k, v, out, lse) + given
     # (dq, dk, dv) given or not, in the signature: which of them a fast call must allocate
+    # (and the tests' Stream-K count, STREAM_K_BLOCKS: a launcher is built for each)
     options = (causal, softmax_scale, window_size, softcap, alibi_slopes is None, deterministic,
-               dq is None, dk is None, dv is None)
+               dq is None, dk is None, dv is None, STREAM_K_BLOCKS)
     signature = _signature(tensors + (() if alibi_slopes is None else (alibi_slopes,)), options)
     launch = _BACKWARD_LAUNCHES.get(signature)
     if launch is not None and _aligned(tensors):
@@ -983,6 +984,9 @@ def _longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:
 # tests set this to fill the backward's scratch buffers with NaN (where the kernels must write
 # before they read, an unwritten row shows up as NaN in the gradients)
 POISON_SCRATCH = False
+# tests: the blocks the SM90 backward's Stream-K CTAs share where its kernel has them (None: the
+# rule, traits.stream_k_blocks; the count is capped at the grid's and needs a unit per CTA)
+STREAM_K_BLOCKS: int | None = None
 
 
 def _scratch(shape, **kwargs) -> torch.Tensor:
@@ -995,7 +999,8 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
     and ``batch`` sequences): a function of (dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q,
     cu_seqlens_k, alibi_slopes[, seqused_k])."""
-    from cute_attn.traits import SM90_BACKWARD_LONG_SEQLEN, backward_padded_rows, varlen_padded_rows
+    from cute_attn.traits import (SM90_BACKWARD_LONG_SEQLEN, STREAM_K_ROW, backward_padded_rows, stream_k_blocks,
+                                  stream_k_items, varlen_padded_rows)
 
     plan = dispatch.plan_for_device(q.device)
     pre, main = _backward_keys(plan, q, opts, deterministic, traits)
@@ -1019,7 +1024,6 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     sem_blocks = -(-max_seqlen_q // chosen.tile_m)
     device, head_dim = q.device, main.head_dim
     f32 = dict(dtype=torch.float32, device=device)
-    kernels = cache.get(pre), cache.get(main), cache.get(post)
     scale, scale_log2 = opts.scale, opts.scale_log2
     scalars = opts.kernel_scalars(max_seqlen_k)
     sm90 = main.kernel == "sm90"
@@ -1035,6 +1039,29 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
                                       -(-max_seqlen_k // chosen.tile_n), opts.causal, plan.num_sms,
                                       fp32_splits and not deterministic, varlen)
         scalars = (*scalars, plan.num_sms, splits)
+    # the Stream-K tier (traits.SM90_BACKWARD_STREAM_K) where the grid's last round leaves SMs idle
+    # long enough (traits.stream_k_blocks; the tier is built with the main kernel); explicit
+    # Stream-K traits follow the same rule
+    sk_blocks = 0
+    tier = compile_mod.backward_stream_k_key(main) if sm90 and traits is None and splits == 1 else None
+    candidate = cache.chosen(tier) if tier is not None else chosen
+    if sm90 and splits == 1 and getattr(candidate, "stream_k", False) and candidate.tile_m == chosen.tile_m:
+        blocks = -(-k.shape[1] // candidate.tile_n) * k.shape[2] * q.shape[0]
+        per_block = heads // k.shape[2] * -(-rows_q // candidate.tile_m)
+        sk_blocks = stream_k_blocks(blocks, per_block, plan.num_sms)
+        if STREAM_K_BLOCKS is not None:  # (tests: a forced count)
+            sk_blocks = min(STREAM_K_BLOCKS, blocks) if STREAM_K_BLOCKS * per_block >= plan.num_sms else 0
+        if sk_blocks and tier is not None:  # (the same dQ layout: the postprocess stays)
+            main, chosen = tier, candidate
+    # each Stream-K CTA's items, dealt here once per launcher (traits.stream_k_items) and copied from
+    # pinned memory without a sync, which a CUDA graph capture can hold (the pinned rows live as
+    # long as the launcher)
+    sk_rows = sk_items = None
+    if sm90 and chosen.stream_k:
+        sk_rows = torch.tensor(stream_k_items(per_block, sk_blocks, plan.num_sms) if sk_blocks else [[0] * STREAM_K_ROW],
+                               dtype=torch.int32).pin_memory()
+        sk_items = sk_rows.to(q.device, non_blocking=True)
+    kernels = cache.get(pre), cache.get(main), cache.get(post)
     # split heads' dK, dV: in fp32 where the kernel takes them (added into accumulators, or,
     # deterministic, per split), else per split in the input dtype; summed (per split) and rounded
     # below. Unsplit, such a kernel gets a placeholder it never touches
@@ -1042,6 +1069,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     split_heads = k.shape[2] * (splits if deterministic else 1)
     no_split = torch.empty((2, 1, 1, 1, head_dim), **f32) if fp32_splits and splits == 1 else None
     ordered = sm90 and varlen and not opts.causal  # the sequences' order, longest first, per call
+    sem_elems = num_seqs * heads * sem_blocks
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         dk_out, dv_out, dkv_split = dk, dv, no_split
@@ -1057,15 +1085,24 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
         delta = torch.empty((q.shape[0], heads, rows_pad), **f32)
         # SM80: zeroed by the preprocess; SM90: each Q block's first share is stored, not added
         dq_accum = _scratch((q.shape[0], heads, rows_pad, head_dim), **f32)
+        sk_args = ()
         if deterministic or sm90:  # a semaphore per Q block (SM90: its first share's ticket)
-            sem = torch.zeros((num_seqs, heads, sem_blocks), dtype=torch.int32, device=device)
+            # Stream-K: then a flag per Stream-K CTA, zeroed with them, and the workspace of their dK, dV
+            flags = torch.zeros(sem_elems + (plan.num_sms if sk_blocks else 0), dtype=torch.int32, device=device)
+            sem = flags[:sem_elems].view(num_seqs, heads, sem_blocks)
+            if sk_blocks:
+                work = torch.empty((plan.num_sms, 2, chosen.tile_n * head_dim), **f32)
+                sk_args = (sk_blocks, work, flags[sem_elems:], sk_items)
         else:
             sem = torch.empty((1, 1, 1), dtype=torch.int32, device=device)
+        if sm90 and not sk_args:  # (a Stream-K kernel with no block to deal out: placeholders)
+            sk_args = (0, None, None, None) if not chosen.stream_k else (
+                0, torch.empty((1, 2, chosen.tile_n * head_dim), **f32), sem.new_zeros(1), sk_items)
         with torch.cuda.device(device):
             kernels[0](out, dout, lse, lse_log2, delta, dq_accum, cu_seqlens_q, max_seqlen_q)
             kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk_out, dv_out, sem, scale, scale_log2,
                        cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, *scalars,
-                       *((_longest_first(cu_seqlens_q) if ordered else None, dkv_split) if sm90 else ()))
+                       *((_longest_first(cu_seqlens_q) if ordered else None, dkv_split, *sk_args) if sm90 else ()))
             kernels[2](dq_accum, dq, *((sem,) if sm90 else ()), scale, cu_seqlens_q, max_seqlen_q)
             if split_fp32:
                 if deterministic:  # the splits' tiles, summed in a fixed order
@@ -1076,6 +1113,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
                 for full, parts in ((dk, dk_out), (dv, dv_out)):
                     torch.sum(parts.unflatten(-2, (full.shape[-2], splits)), dim=-2, out=full)
 
+    launch.stream_k_rows = sk_rows  # (held with the launcher: a captured graph copies from them)
     return launch
 
 

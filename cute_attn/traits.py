@@ -424,18 +424,18 @@ def parse_backward_traits(spec: str, head_dim: int):
     Sm90BackwardTraits of the large-head-dim kernel (one dO stage, transposed dK/dV) (for tools and sweeps)."""
     import re
 
-    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(?:d(\d+))?(t)?(?:q(\d+))?(l)?(p)?", spec)
+    m = re.fullmatch(r"m(\d+)n(\d+)s(\d+)(?:d(\d+))?(t)?(?:q(\d+))?(l)?(p)?(k)?", spec)
     if m:
-        tile_m, tile_n, stages, do_stages, swap, dq_parts, longest, persistent = m.groups()
+        tile_m, tile_n, stages, do_stages, swap, dq_parts, longest, persistent, stream_k = m.groups()
         if dq_parts is not None and not swap:
             raise ValueError(f"backward traits spec {spec!r}: dQ parts (q) only with the large-head-dim kernel (t)")
         return Sm90BackwardTraits(padded_head_dim(head_dim), int(tile_m), int(tile_n), int(stages),
                                   int(do_stages) if do_stages is not None else None, bool(swap), bool(longest),
-                                  bool(persistent), int(dq_parts) if dq_parts is not None else 1)
+                                  bool(persistent), int(dq_parts) if dq_parts is not None else 1, bool(stream_k))
     m = re.fullmatch(r"m(\d+)n(\d+)w(\d+)a(\d+)b(\d+)c(\d+)", spec)
     if not m:
         raise ValueError(f"backward traits spec must look like m64n128w8a2b4c2 (SM80) or m64n128s2 (SM90, "
-                         f"optionally d1, t, q2, l and p), got {spec!r}")
+                         f"optionally d1, t, q2, l, p and k), got {spec!r}")
     return BackwardTraits(padded_head_dim(head_dim), *map(int, m.groups()))
 
 
@@ -460,15 +460,18 @@ class Sm90BackwardTraits:
     # swap_dkv: each warpgroup's dQ computed and staged in this many column parts (1 or 2): half
     # the fp32 staging buffer, so that d256 fits 64 keys beside two Q stages
     dq_parts: int = 1
+    # plain non-causal, one CTA per K/V block: the grid's last round dealt out Stream-K style
+    # (stream_k_items below; how many blocks: ``stream_k_blocks``, a run-time value)
+    stream_k: bool = False
 
     @property
     def spec(self) -> str:
         """'m64n128s2' (+ 'd1': dO stages, 't': swap_dkv, 'q2': dQ parts, 'l': longest_first, 'p':
-        persistent): the form parse_backward_traits and --bwd-sweep take."""
+        persistent, 'k': stream_k): the form parse_backward_traits and --bwd-sweep take."""
         return (f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
                 f"{f'd{self.do_stages}' if self.do_stages is not None else ''}{'t' if self.swap_dkv else ''}"
                 f"{f'q{self.dq_parts}' if self.dq_parts != 1 else ''}"
-                f"{'l' if self.longest_first else ''}{'p' if self.persistent else ''}")
+                f"{'l' if self.longest_first else ''}{'p' if self.persistent else ''}{'k' if self.stream_k else ''}")
 
     @property
     def dout_stages(self) -> int:
@@ -523,9 +526,9 @@ class Sm90BackwardTraits:
 # (an atomic counter, as the forward's dynamic_tiles) measured level with one CTA per block
 # (-5..+2.5%), so causal keeps the one-CTA-per-block grid. Stream-K for the grid's last round
 # (its blocks dealt out as (query head, Q block) steps over every SM, the cut blocks' dK and dV
-# partials added by the CTA that finishes them) measured level under the power limit at d128 (-2%
-# at S 2048, +0.7% at 16384), -2..-5% at d64, and +1.4-3.6% only in burst: not kept
-# (docs/performance.md, "Stream-K for the last round").
+# partials added by the CTA that finishes them) is d128 non-causal's tier where the rule deals
+# blocks out (SM90_BACKWARD_STREAM_K below); on every grid it measured -2% at S 2048 and -2..-5% at
+# d64 (docs/performance.md, "Stream-K for the last round" and "Stream-K as a tier").
 _B = Sm90BackwardTraits
 SM90_BACKWARD = {
     32: {False: _B(32, tile_m=128, persistent=True), True: _B(32, tile_m=128)},
@@ -544,6 +547,85 @@ SM90_BACKWARD = {
 # built together (compile.backward_tier_siblings), so a new length never compiles.
 SM90_BACKWARD_LONG = {128: _B(128, tile_m=80, longest_first=True)}
 SM90_BACKWARD_LONG_SEQLEN = 8192
+
+# d128 plain non-causal (no window, softcap, ALiBi or varlen; not deterministic, no head splits)
+# where ``stream_k_blocks`` deals out the grid's last round: the table's kernel with Stream-K
+# (``stream_k_items``). Built together with the table's kernel, so a new length never
+# compiles. H100, 2026-11-27, beside the same kernel without it (alternating bursts, 16k tokens):
+# backward +3.9% / +1.3% / +1.0% at S 4096 / 8192 / 16384, forward+backward +1.7% / +0.4% / +1.1%
+# (docs/performance.md, "Stream-K as a tier").
+SM90_BACKWARD_STREAM_K = {128: _B(128, tile_m=80, stream_k=True)}
+# Stream-K where the SMs the last round leaves idle would otherwise wait this many units (a query
+# head's Q block each) per SM: below it the cut blocks' fp32 round trip and the waits cost more
+# than the idle SMs (the ninth session's rule, 24 x 132 units on H100: d128 from S 4096 at 16k tokens)
+STREAM_K_MIN_IDLE_UNITS = 24
+
+
+# The deal (host side, plain ints; the kernel reads a Stream-K CTA's row of ``stream_k_items``). The
+# blocks are numbered as the grid orders them and cut into units of one (query head, Q block) step
+# each, ``units_per_block`` per block. The last ``sk_blocks`` go to ``ctas`` CTAs launched after the
+# others (a CTA per block), CTA j taking units [j U / ctas, (j + 1) U / ctas) of those U, so each
+# takes 1-2 blocks' worth, in at most three items:
+# - PUBLISH: the start of the last block it touches (it ends mid-block): its fp32 dK and dV, a
+#   partial sum, go to a workspace slot of the CTA's own and a flag is raised;
+# - whole blocks (WHOLE), as every other CTA computes them;
+# - FINISH: the end of the first block it touches (it starts mid-block): it adds the slots of the
+#   lower-numbered CTAs that published pieces of that block, in their order, and stores dK and dV.
+# Publishing comes first and finishing last, and a CTA waits only on lower numbers, which the
+# hardware launched before it: no wait can block a CTA that is needed to end it. dQ needs nothing:
+# every (K/V block, Q block) pair is still visited once and its share added as always.
+STREAM_K_WHOLE, STREAM_K_PUBLISH, STREAM_K_FINISH = 0, 1, 2
+STREAM_K_MAX_ITEMS = 3  # a CTA's units span less than two blocks (stream_k_blocks deals P + r of them)
+STREAM_K_ITEM_FIELDS = 5  # block, first unit, end unit (in the block), mode, first publisher
+STREAM_K_ROW = 2 + STREAM_K_ITEM_FIELDS * STREAM_K_MAX_ITEMS  # items, slot, the items
+
+
+def stream_k_units(j: int, units_per_block: int, sk_blocks: int, ctas: int) -> tuple[int, int]:
+    """The units [lo, hi) of Stream-K CTA ``j``, numbered from the first Stream-K block's."""
+    total = sk_blocks * units_per_block
+    return j * total // ctas, (j + 1) * total // ctas
+
+
+def stream_k_item_list(lo: int, hi: int, units_per_block: int) -> list[tuple[int, int, int, int]]:
+    """The items of the units [lo, hi): (block, first unit, end unit (offsets in the block), mode),
+    PUBLISH first, then WHOLE blocks, FINISH last."""
+    b_first, b_last = lo // units_per_block, (hi - 1) // units_per_block
+    cut = lambda b: (b, max(lo, b * units_per_block) - b * units_per_block,
+                     min(hi, (b + 1) * units_per_block) - b * units_per_block)
+    starts_mid, ends_mid = lo > b_first * units_per_block, hi < (b_last + 1) * units_per_block
+    if b_first == b_last and starts_mid and ends_mid:  # inside one block: a piece others finish
+        return [(*cut(b_first), STREAM_K_PUBLISH)]
+    items = [(*cut(b_last), STREAM_K_PUBLISH)] if ends_mid else []
+    items += [(*cut(b), STREAM_K_WHOLE) for b in range(b_first + starts_mid, b_last + 1 - ends_mid)]
+    return items + ([(*cut(b_first), STREAM_K_FINISH)] if starts_mid else [])
+
+
+def stream_k_items(units_per_block: int, sk_blocks: int, ctas: int) -> list[list[int]]:
+    """One row per Stream-K CTA j (STREAM_K_ROW ints): [items, j, then per item (block among the
+    Stream-K ones, first unit, end unit, mode, the first Stream-K CTA that holds a piece of the
+    block, which a FINISH piece adds from up to j - 1)]."""
+    rows = []
+    for j in range(ctas):
+        lo, hi = stream_k_units(j, units_per_block, sk_blocks, ctas)
+        items = stream_k_item_list(lo, hi, units_per_block)
+        row = [len(items), j]
+        for block, u_lo, u_hi, mode in items:
+            # the CTA whose units hold the block's first unit: the largest j with lo(j) <= it
+            first = ((block * units_per_block + 1) * ctas - 1) // (sk_blocks * units_per_block)
+            row += [block, u_lo, u_hi, mode, first]
+        rows.append(row + [0] * (STREAM_K_ROW - len(row)))
+    return rows
+
+
+def stream_k_blocks(blocks: int, units_per_block: int, num_sms: int) -> int:
+    """How many of a one-CTA-per-K/V-block grid's last ``blocks`` the Stream-K CTAs share (0:
+    none): the remainder of a round of ``num_sms`` and the full round before it, so that each
+    Stream-K CTA takes 1-2 blocks' worth; none where the grid fills its rounds, has fewer than two,
+    or the idle SMs would wait fewer than STREAM_K_MIN_IDLE_UNITS units each."""
+    rest = blocks % num_sms
+    if rest == 0 or blocks < 2 * num_sms or (num_sms - rest) * units_per_block < STREAM_K_MIN_IDLE_UNITS * num_sms:
+        return 0
+    return num_sms + rest
 
 
 def sm90_backward_traits(head_dim: int, causal: bool = False, smem_capacity: int | None = None,

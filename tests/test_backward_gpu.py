@@ -79,6 +79,36 @@ def test_long_causal_backward_tier(arch, seqlen_q, seqlen_k, heads, monkeypatch)
         assert compile_mod.backward_long_key(main) in asked and main not in asked, "the long tier did not run"
 
 
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,heads,blocks", [
+    (2, 1000, 1000, (4, 4), 64),  # every block dealt out, in pieces of 3-4 steps (inside one block)
+    (1, 2048, 2048, (8, 2), 32),  # GQA: a block's steps run over two query heads
+    (2, 300, 1000, (6, 1), 16),  # MQA, seqlen_q < seqlen_k
+    (1, 4000, 3000, (6, 2), 20),  # a CTA per block first, then the Stream-K CTAs; seqlen_q > seqlen_k
+    (2, 17, 1000, (32, 8), 100),  # one Q block per query head
+    (1, 1001, 4097, (4, 4), 40),  # odd lengths: the last K/V block holds one key
+    (4, 4096, 4096, (16, 16), None),  # the rule's own count (traits.stream_k_blocks: 200 of 2048)
+])
+def test_stream_k_backward(arch, monkeypatch, batch, seqlen_q, seqlen_k, heads, blocks):
+    """d128 plain non-causal on the SM90 backward's Stream-K tier (traits.stream_k_items), with
+    forced block counts (interface.STREAM_K_BLOCKS) and the rule's: against the fp32 reference;
+    dk and dv bitwise equal between calls (a cut block's partials are added in a fixed order)."""
+    from cute_attn import interface, traits
+
+    if arch != "sm90":
+        pytest.skip("Stream-K is a tier of the SM90 backward")
+    dealt, items = [], traits.stream_k_items
+    monkeypatch.setattr(traits, "stream_k_items", lambda *a: dealt.append(a) or items(*a))
+    monkeypatch.setattr(interface, "STREAM_K_BLOCKS", blocks)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, *heads, 128, torch.bfloat16)
+    check_backward((q, k, v), False, f"stream-k b={batch} sq={seqlen_q} sk={seqlen_k} h={heads} blocks={blocks}")
+    assert dealt and dealt[0][1] == (blocks or 200), "the Stream-K tier did not run"
+    out, lse = cute_attn.forward(q, k, v, return_lse=True)
+    dout = torch.randn_like(out)
+    first = cute_attn.backward(dout, q, k, v, out, lse)
+    again = cute_attn.backward(dout, q, k, v, out, lse)
+    assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
+
+
 @pytest.mark.parametrize("head_dim,batch,seqlen,heads", [(128, 3, 4000, (4, 4)), (256, 2, 1500, (8, 4))])
 def test_causal_backward_over_several_sections_of_heads(head_dim, batch, seqlen, heads):
     """Sequences long enough that the SM90 backward's causal CTA order (longest first within

@@ -183,9 +183,9 @@ def test_sm90_backward_length_tiers_build_together(head_dim):
         cache.get(main), cache.get(long)
         assert set(counting.keys) == {main, long, *posts} and len(counting.keys) == 4
     assert compile_mod.backward_cache._group is backward_tier_siblings
-    # one tier: deterministic, non-causal, a feature, another head dim, other explicit traits, SM80
+    # one tier: deterministic, a feature, another head dim, other explicit traits, SM80
+    # (non-causal d128: the Stream-K tier, test_sm90_backward_stream_k_tier_builds_together)
     for key in (backward_keys("sm_90a", "bf16", 128, True, True, kernel="sm90")[1],
-                backward_keys("sm_90a", "bf16", 128, False, False, kernel="sm90")[1],
                 backward_keys("sm_90a", "bf16", 128, True, False, kernel="sm90", features=Features(softcap=True))[1],
                 backward_keys("sm_90a", "bf16", 64, True, False, kernel="sm90")[1],
                 backward_keys("sm_90a", "bf16", 128, True, False, traits=parse_backward_traits("m64n128s2", 128))[1],
@@ -194,6 +194,34 @@ def test_sm90_backward_length_tiers_build_together(head_dim):
     # the variant lists (prebuild, tools/compile_variants.py) carry the tier and its postprocess
     variants = compile_mod.backward_variants(["sm_90a"], [head_dim], ["bf16"], [True], [False], kernels=("sm90",))
     assert {main, long, *posts} <= set(variants)
+
+
+def test_sm90_backward_stream_k_tier_builds_together():
+    """d128 plain non-causal runs the Stream-K tier where traits.stream_k_blocks deals blocks out:
+    the first use of either builds both and the (one) postprocess; deterministic, features and
+    causal have none."""
+    from cute_attn.compile import backward_keys, backward_post_key, backward_stream_k_key, backward_tier_siblings
+    from cute_attn.traits import SM90_BACKWARD, SM90_BACKWARD_STREAM_K
+
+    _, main = backward_keys("sm_90a", "bf16", 128, False, False, kernel="sm90")
+    tier = backward_stream_k_key(main)
+    assert tier.candidates[0] == SM90_BACKWARD_STREAM_K[128] and tier.candidates[0].stream_k
+    assert tier.candidates[0].spec == "m80n128s2k" and not SM90_BACKWARD[128][False].stream_k
+    post = backward_post_key(main, main.candidates[0])
+    assert backward_post_key(tier, tier.candidates[0]) == post  # Stream-K leaves dQ's layout alone
+    for first in (main, tier):
+        counting = CountingBuild()
+        cache = KernelCache(counting, None, group=backward_tier_siblings)
+        cache.get(first)
+        cache.get(post)
+        cache.get(main), cache.get(tier)
+        assert set(counting.keys) == {main, tier, post} and len(counting.keys) == 3
+    for key in (backward_keys("sm_90a", "bf16", 128, False, True, kernel="sm90")[1],
+                backward_keys("sm_90a", "bf16", 128, False, False, kernel="sm90", features=Features(softcap=True))[1],
+                backward_keys("sm_90a", "bf16", 64, False, False, kernel="sm90")[1]):
+        assert backward_stream_k_key(key) is None and backward_tier_siblings(key) == [key]
+    variants = compile_mod.backward_variants(["sm_90a"], [128], ["bf16"], [False], [False], kernels=("sm90",))
+    assert {main, tier, post} <= set(variants)
 
 
 def test_kv_cache_decode_builds_split_and_unsplit_together():

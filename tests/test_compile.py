@@ -457,6 +457,56 @@ def test_persistent_rounds_deal_every_tile_once():
         assert nth_tile(1, 0, grid) == 2 * grid - 1
 
 
+@pytest.mark.parametrize("per_block,sk_blocks,ctas", [
+    (205, 200, 132),  # d128 S 16384, 16 heads: 15.5 rounds of 132 SMs
+    (103, 200, 132), (7, 168, 132), (5, 200, 132), (1, 133, 132),
+    (26, 32, 132),  # forced counts (tests): more CTAs than blocks, pieces inside one block
+    (1000, 10, 132), (300, 40, 132),
+])
+def test_stream_k_deals_every_unit_once(per_block, sk_blocks, ctas):
+    """traits.stream_k_items: every (block, unit) of the Stream-K blocks goes to exactly one item;
+    a CTA's items run PUBLISH, whole blocks, FINISH; a cut block has one FINISH piece, and its
+    first publisher and the CTAs up to the finishing one hold its other pieces, all published."""
+    from cute_attn import traits as tr
+
+    owner = {}
+    for j, row in enumerate(tr.stream_k_items(per_block, sk_blocks, ctas)):
+        items = row[0]
+        assert 1 <= items <= tr.STREAM_K_MAX_ITEMS and row[1] == j and len(row) == tr.STREAM_K_ROW
+        modes = []
+        for k in range(items):
+            block, u_lo, u_hi, mode, first = row[2 + tr.STREAM_K_ITEM_FIELDS * k:][:tr.STREAM_K_ITEM_FIELDS]
+            assert 0 <= u_lo < u_hi <= per_block
+            assert mode != tr.STREAM_K_WHOLE or (u_lo, u_hi) == (0, per_block)
+            for u in range(u_lo, u_hi):
+                assert (block, u) not in owner
+                owner[block, u] = (j, mode)
+            if mode == tr.STREAM_K_FINISH:
+                others = {c: m for (b, _), (c, m) in owner.items() if b == block and c != j}
+                assert set(others) == set(range(first, j)) and set(others.values()) == {tr.STREAM_K_PUBLISH}
+            modes.append(mode)
+        order = [tr.STREAM_K_PUBLISH, tr.STREAM_K_WHOLE, tr.STREAM_K_FINISH]
+        assert modes == sorted(modes, key=order.index)
+    assert len(owner) == sk_blocks * per_block
+    for block in range(sk_blocks):
+        modes = {owner[block, u][1] for u in range(per_block)}
+        assert modes in ({tr.STREAM_K_WHOLE}, {tr.STREAM_K_PUBLISH, tr.STREAM_K_FINISH})
+
+
+def test_stream_k_blocks_follow_the_rule():
+    """traits.stream_k_blocks: the remainder and one full round where the idle SMs would wait at
+    least STREAM_K_MIN_IDLE_UNITS units each; none for whole rounds, short grids or short walks."""
+    from cute_attn.traits import STREAM_K_MIN_IDLE_UNITS, stream_k_blocks
+
+    assert stream_k_blocks(2048, 205, 132) == 132 + 2048 % 132  # d128 S 16384 x 16 heads
+    assert stream_k_blocks(2048, 52, 132) == 200  # S 4096 x 4 sequences: 64 idle x 52 units
+    assert stream_k_blocks(2048, 26, 132) == 0  # S 2048: 64 x 26 < 24 x 132
+    assert stream_k_blocks(2112, 205, 132) == 0  # whole rounds
+    assert stream_k_blocks(200, 205, 132) == 0  # under two rounds
+    idle = 132 - 2048 % 132
+    assert stream_k_blocks(2048, -(-STREAM_K_MIN_IDLE_UNITS * 132 // idle), 132) == 200
+
+
 def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
     fn = build(bwd_key, keep_artifacts=True)
     ptx, cubin = fn.__ptx__, fn.__cubin__
@@ -517,6 +567,10 @@ def test_backward_kernel_compiles_to_expected_instructions(bwd_key):
             rows = [line for line in ptx.splitlines() if f"aligned.m64n{t.tile_m}k16" in line]
             assert sum(line.rstrip().endswith("1, 0;") for line in rows) == t.tile_n // 16, "no dQ^T wgmma"
             assert sum(line.rstrip().endswith("0, 0;") for line in rows) == 2 * t.head_dim // 16
+        if t.stream_k:
+            # Stream-K's cut blocks: a piece's fp32 dK, dV published behind a GPU-scope fence and a
+            # release flag, which the finishing CTA acquires before adding them
+            assert "fence.acq_rel.gpu" in ptx and "st.release.gpu" in ptx, "no Stream-K publication"
         assert counts["ld.local/st.local"] == 0 and res["stack_frame"] == 0, (
             f"{bwd_key.name}: {res['stack_frame']} bytes of local memory (spills)")
         return

@@ -15,6 +15,12 @@ order (either way rounded to the input dtype once, on the host). backward_large.
 the persistent grids write them per split in the input dtype (``compile.sm90_split_dkv_fp32``).
 With ``longest_first`` (traits: d128 plain causal) the CTAs run K/V block 0 of each head of an
 L2-sized section first, then block 1, ... (``tile_scheduler.section_coords``).
+With ``stream_k`` (traits: d128 plain non-causal, where traits.stream_k_blocks deals blocks out)
+the grid is 1-D: a CTA per K/V block but the last ``stream_k_blocks``, then ``num_sms`` CTAs that
+share those blocks' (query head, Q block) steps as 1-3 items each (traits.stream_k_items, dealt on
+the host): a piece that starts a cut block publishes its fp32 dK, dV partials to a workspace slot
+and raises a flag; the piece that ends it adds the published ones (``_stream_k_roles``). The
+grid's last round then keeps every SM busy instead of leaving some idle.
 Per Q block, recomputing attention from the saved LSE:
 
     S^T  = K Q^T,  P^T = exp2(S^T * scale_log2 - LSE_log2)    (masked on the diagonal / seqlen_k end)
@@ -78,6 +84,7 @@ from cute_attn.kernels.seqlen_info import SeqlenInfo, ragged_load_view, ragged_v
 from cute_attn.kernels.sm80 import common as sm80_common
 from cute_attn.kernels.sm90 import common
 from cute_attn.kernels.sm90.common import WARPGROUP_THREADS
+from cute_attn.traits import STREAM_K_FINISH, STREAM_K_ITEM_FIELDS, STREAM_K_PUBLISH, STREAM_K_ROW, STREAM_K_WHOLE
 
 NUM_MMA_WARPGROUPS = 2
 # registers per thread after setmaxnreg: the MMA warpgroups take what the producer warpgroup gives
@@ -179,10 +186,13 @@ def dq_tiled_mma(dtype, tile_m: int, head_dim: int) -> cute.TiledMma:
                             a_in_registers=False, warpgroups_along_n=True)
 
 
-def mma_thread_slices(*mmas: cute.TiledMma):
+def mma_thread_slices(*mmas: cute.TiledMma, zero=0):
     """In an MMA thread: its index among the MMA threads, its warpgroup, and each tiled MMA sliced
-    per warpgroup (wgmma operands: shared-memory descriptors) and per thread (accumulators)."""
-    tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS
+    per warpgroup (wgmma operands: shared-memory descriptors) and per thread (accumulators).
+    ``zero``: a run-time 0 the compiler cannot see through, added to the index, so that the
+    offsets derived from it are computed where used rather than held across a loop around them
+    (Stream-K's items: held across the walk, they spilled)."""
+    tidx = cute.arch.thread_idx()[0] - WARPGROUP_THREADS + zero
     wg = cute.arch.make_warp_uniform(tidx // WARPGROUP_THREADS)
     wg_first_thread = cute.make_layout(NUM_MMA_WARPGROUPS, stride=WARPGROUP_THREADS)(wg)
     return tidx, wg, tuple(m.get_slice(wg_first_thread) for m in mmas), tuple(m.get_slice(tidx) for m in mmas)
@@ -210,6 +220,7 @@ class FlashAttentionBackwardSm90:
         features: Features = NO_FEATURES,
         longest_first: bool = False,
         persistent: bool = False,
+        stream_k: bool = False,
     ):
         assert tile_n == 64 * NUM_MMA_WARPGROUPS, "tile_n: 64 keys per MMA warpgroup"
         assert tile_m in (64, 80, 128) and head_dim % 16 == 0
@@ -236,6 +247,12 @@ class FlashAttentionBackwardSm90:
         # the previous one's end; K and V wait for the previous dK and dV to leave their buffers
         assert not (persistent and deterministic), "persistent: not deterministic"
         self.persistent = persistent
+        # Stream-K (plain non-causal, one CTA per K/V block): the grid's last ``stream_k_blocks``
+        # blocks dealt out over ``num_sms`` more CTAs (traits.stream_k_items); every CTA walks its
+        # items, its pipeline states carried from one to the next as in a persistent grid
+        assert not stream_k or not (causal or deterministic or persistent or features != NO_FEATURES), \
+            "Stream-K: plain non-causal, one CTA per K/V block"
+        self.stream_k = stream_k
         self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
         self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
 
@@ -243,6 +260,7 @@ class FlashAttentionBackwardSm90:
     dkv_transposed = False
     # (backward_large.py's kernel always runs one CTA per K/V block)
     persistent = False
+    stream_k = False
     # each MMA warpgroup's dQ of a Q block is computed and staged in this many column parts
     # (backward_large.py at d256: halves, so the fp32 staging buffer fits beside 64 keys)
     dq_parts = 1
@@ -301,6 +319,13 @@ class FlashAttentionBackwardSm90:
         # that every split adds to, or, deterministic, heads_kv * head_splits heads, one per split.
         # None: dK, dV per split in mdK, mdV (heads_kv * head_splits heads; dK^T/dV^T accumulators)
         mdKV_split: cute.Tensor | None,
+        # Stream-K (traits: stream_k): the blocks the num_sms Stream-K CTAs share (0: none), the
+        # fp32 dK and dV a CTA publishes (num_sms, 2, tile_n * head_dim), a zeroed flag per CTA and
+        # their items (num_sms, traits.STREAM_K_ROW) int32 (traits.stream_k_items)
+        stream_k_blocks: Int32,
+        mStreamK: cute.Tensor | None,
+        mStreamKFlags: cute.Tensor | None,
+        mStreamKItems: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         assert mdKV_split is None or not self.dkv_transposed, "fp32 dK, dV of split heads: dK, dV accumulators"
@@ -342,6 +367,8 @@ class FlashAttentionBackwardSm90:
                 split_out += (tma, atom)
         mma_sdp, mma_dkv, mma_dq = self._tiled_mmas()
 
+        items_table = STREAM_K_ROW if const_expr(self.stream_k) else 1
+
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
@@ -355,16 +382,22 @@ class FlashAttentionBackwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]  # (P,) dS
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d // self.dq_parts], 1024]
+            # Stream-K: this CTA's items (``_stream_k_table``)
+            sItems: cute.struct.MemRange[Int32, items_table]
 
         grid = (num_n_blocks, cute.size(mK.shape[2]) * head_splits, cute.size(num_batches))
         if const_expr(self.persistent):
             grid = (cutlass.min(num_n_blocks * mK.shape[2] * head_splits * num_batches, num_sms), 1, 1)
+        if const_expr(self.stream_k):  # a 1-D grid: a CTA per block before the Stream-K ones, then num_sms
+            grid = (num_n_blocks * mK.shape[2] * head_splits * num_batches - stream_k_blocks
+                    + cutlass.min(stream_k_blocks, 1) * num_sms, 1, 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_dK, tma_dV, mLSE_log2, mD, mdQ_accum, mSemaphore,
             softmax_scale, softmax_scale_log2, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mAlibiSlopes, window_left,
             window_right, softcap_scale, atom_Q, atom_K, atom_V, atom_dO, atom_dK, atom_dV,
             sQ_layout, sdO_layout, sKV_layout, sdS_layout, mma_sdp, mma_dkv, mma_dq, SharedStorage,
-            num_n_blocks, num_batches, q_rows, head_splits, mSeqOrder, *split_out,
+            num_n_blocks, num_batches, q_rows, head_splits, mSeqOrder, *split_out, stream_k_blocks, mStreamK,
+            mStreamKFlags, mStreamKItems,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -419,6 +452,10 @@ class FlashAttentionBackwardSm90:
         atom_dK_split: cute.CopyAtom | None,
         mdV_split: cute.Tensor | None,
         atom_dV_split: cute.CopyAtom | None,
+        stream_k_blocks: Int32,
+        mStreamK: cute.Tensor | None,
+        mStreamKFlags: cute.Tensor | None,
+        mStreamKItems: cute.Tensor | None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -456,11 +493,19 @@ class FlashAttentionBackwardSm90:
         sD = storage.sD.get_tensor(cute.make_layout((self.tile_m, self.do_stages)))
         sdQ = storage.sdQ.get_tensor(cute.make_layout((self.tile_m * self.head_dim // NUM_MMA_WARPGROUPS
                                                        // self.dq_parts, NUM_MMA_WARPGROUPS)))
-        pipeline.pipeline_init_wait()
-
         # the window's edges only where the kernel has one (None: compiled out)
         window_left = window_left if const_expr(self.features.local) else None
         window_right = window_right if const_expr(self.features.local) else None
+        grid_shape = (num_n_blocks, mK.shape[2] * head_splits, num_batches)
+        work_of = partial(self._work, mQ, mK, q_rows, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left,
+                          window_right, head_splits=head_splits, mSeqOrder=mSeqOrder)
+        sItems = None
+        if const_expr(self.stream_k):
+            sItems = storage.sItems.get_tensor(cute.make_layout(STREAM_K_ROW))
+            if cute.arch.thread_idx()[0] == 0:  # before the CTA barrier below, with every register
+                self._stream_k_table(sItems, mStreamKItems, work_of, grid_shape, stream_k_blocks)
+        pipeline.pipeline_init_wait()
+
         role_args = (
             warp_idx, mQ, mK, mV, mdO, (mdK, mdV, (mdK_split, mdV_split, atom_dK_split, atom_dV_split)),
             mLSE_log2, mD, mdQ_accum, mSemaphore, mAlibiSlopes,
@@ -469,10 +514,9 @@ class FlashAttentionBackwardSm90:
             window_left, window_right, softcap_scale,
         )
         if const_expr(self.persistent):
-            grid_shape = (num_n_blocks, mK.shape[2] * head_splits, num_batches)
-            work_of = partial(self._work, mQ, mK, q_rows, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left,
-                              window_right, head_splits=head_splits, mSeqOrder=mSeqOrder)
             self._persistent_roles(*role_args, work_of, grid_shape)
+        elif const_expr(self.stream_k):
+            self._stream_k_roles(*role_args, work_of, grid_shape, sItems, mStreamK, mStreamKFlags)
         else:
             work = self._work(mQ, mK, q_rows, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
                               cute.arch.block_idx(), cute.arch.grid_dim(), head_splits=head_splits,
@@ -529,6 +573,85 @@ class FlashAttentionBackwardSm90:
                                        mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
                                        softmax_scale_log2, window_left, window_right, softcap_scale, work, states)
                 cta += stride
+
+    @cute.jit
+    def _stream_k_table(self, sItems, mStreamKItems, work_of, grid_shape, stream_k_blocks: Int32):
+        """Thread 0 of a Stream-K kernel: this CTA's items into ``sItems`` (traits.STREAM_K_ROW
+        ints), which every role reads back: a CTA before the Stream-K ones has one, its block
+        whole; Stream-K CTA j copies row j of ``mStreamKItems`` (traits.stream_k_items, dealt
+        on the host), its blocks renumbered from the grid's first."""
+        num_n, heads_kv, batches = grid_shape
+        first_sk = num_n * heads_kv * batches - stream_k_blocks
+        cta = cute.arch.block_idx()[0]
+        if cta < first_sk:
+            _, _, _, _, group, _, num_m, _, _ = work_of((Int32(0), Int32(0), Int32(0)), grid_shape)
+            # (no Q block at all: one empty unit, so dK = dV = 0 still go out)
+            for f, value in enumerate((1, 0, cta, 0, cutlass.max(group * num_m, 1), STREAM_K_WHOLE, 0)):
+                sItems[f] = Int32(value)
+        else:
+            for f in cutlass.range_constexpr(STREAM_K_ROW):
+                sItems[f] = mStreamKItems[cta - first_sk, f]
+            for k in cutlass.range_constexpr((STREAM_K_ROW - 2) // STREAM_K_ITEM_FIELDS):
+                sItems[2 + STREAM_K_ITEM_FIELDS * k] = sItems[2 + STREAM_K_ITEM_FIELDS * k] + first_sk
+
+    @cute.jit
+    def _stream_k_item(self, sItems, work_of, grid_shape, k: Int32):
+        """Item ``k`` of ``sItems``: (work, its units (first, end) in the block, (mode, first
+        publisher, this CTA's slot))."""
+        num_n, heads_kv, _ = grid_shape
+        row = 2 + STREAM_K_ITEM_FIELDS * k
+        work = work_of(self._grid_coords(sItems[row], num_n, heads_kv), grid_shape)
+        return work, (sItems[row + 1], sItems[row + 2]), (sItems[row + 3], sItems[row + 4], sItems[1])
+
+    @cute.jit
+    def _stream_k_roles(self, warp_idx, mQ, mK, mV, mdO, dkv_out, mLSE_log2, mD, mdQ_accum, mSemaphore,
+                        mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_Q, atom_K, atom_V, atom_dO, atom_dK,
+                        atom_dV, mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
+                        softmax_scale_log2, window_left, window_right, softcap_scale, work_of, grid_shape, sItems,
+                        mStreamK, mStreamKFlags):
+        """The roles of a Stream-K kernel: each walks the CTA's items (``_stream_k_table``), its
+        pipeline states carried from one to the next as in a persistent grid."""
+        item = partial(self._stream_k_item, sItems, work_of, grid_shape)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
+            if warp_idx == 0:
+                states = self._pipeline_states(pipeline.PipelineUserType.Producer)
+                for k in cutlass.range(sItems[0], unroll=1):
+                    work, units, _ = item(k)
+                    states = self._produce(mQ, mK, mV, mdO, mLSE_log2, mD, sQ, sK, sV, sdO, sLSE, sD, atom_Q, atom_K,
+                                           atom_V, atom_dO, pipe_kv, pipe_q, pipe_do, work, states, units)
+            if warp_idx == 1:
+                for k in cutlass.range(sItems[0], unroll=1):
+                    work, units, _ = item(k)
+                    self._write_dq(mdQ_accum, mSemaphore, sdQ, window_left, work, last=False, units=units)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            cute.arch.setmaxregister_increase(MMA_REGISTERS)
+            states = self._pipeline_states(pipeline.PipelineUserType.Consumer)
+            for k in cutlass.range(sItems[0], unroll=1):
+                work, units, piece = item(k)
+                states = self._mma(dkv_out, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV,
+                                   mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
+                                   softmax_scale_log2, window_left, window_right, softcap_scale, work, states, units,
+                                   (*piece, mStreamK, mStreamKFlags))
+
+    @staticmethod
+    def _heads_walked(group, num_m, units):
+        """(first, end) of the query heads (offsets in the K/V head's group) a walk visits: all
+        ``group``, or those of the Stream-K units [first, end) of ``units`` (unit u: step u % num_m
+        of query head u // num_m)."""
+        if const_expr(units is None):
+            return 0, group
+        per_head = cutlass.max(num_m, 1)
+        return units[0] // per_head, (units[1] + per_head - 1) // per_head
+
+    @staticmethod
+    def _steps_walked(g, num_m, units):
+        """(first, end) of the steps (``_q_block``'s i) a walk takes on query head ``g``: all
+        ``num_m``, or those of the Stream-K ``units``."""
+        if const_expr(units is None):
+            return 0, num_m
+        return cutlass.max(units[0] - g * num_m, 0), cutlass.min(units[1] - g * num_m, num_m)
 
     def _pipeline_states(self, role):
         """Fresh (K/V, Q, dO) pipeline states of ``role`` (a pipeline.PipelineUserType)."""
@@ -608,8 +731,9 @@ class FlashAttentionBackwardSm90:
     # ------------------------------------------------------------------ producer warp
     @cute.jit
     def _produce(self, mQ, mK, mV, mdO, mLSE_log2, mD, sQ, sK, sV, sdO, sLSE, sD, atom_Q, atom_K, atom_V, atom_dO,
-                 pipe_kv, pipe_q, pipe_do, work, states=None):
-        """TMA loads: K and V once, then Q + LSE and dO + D per Q block, in the MMA warpgroups' order.
+                 pipe_kv, pipe_q, pipe_do, work, states=None, units=None):
+        """TMA loads: K and V once, then Q + LSE and dO + D per Q block, in the MMA warpgroups' order
+        (Stream-K ``units``: the item's share of them).
         Persistent (``states``: the pipeline states, returned advanced): K and V after the first Q
         block's loads, which may then arrive while the previous K/V block's dK and dV still occupy
         K's and V's buffers."""
@@ -627,7 +751,8 @@ class FlashAttentionBackwardSm90:
         bulk = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         # (bound before the loop: the DSL would carry an object whose method a loop body calls)
         q_rows, padded_q_rows = seq.tma_q_rows, seq.padded_q_rows
-        for g in cutlass.range(group, unroll=1):
+        g_first, g_end = self._heads_walked(group, num_m, units)
+        for g in cutlass.range(g_first, g_end, unroll=1):
             head = head0 + g
             gQ = cute.local_tile(q_rows(mQ, head), tile_q, (None, 0))
             gdO = cute.local_tile(q_rows(mdO, head), tile_q, (None, 0))
@@ -637,7 +762,8 @@ class FlashAttentionBackwardSm90:
             # sequence's padded start (varlen)
             gLSE = cute.local_tile(padded_q_rows(mLSE_log2[b, head, None]), (self.tile_m,), (None,))
             gD = cute.local_tile(padded_q_rows(mD[b, head, None]), (self.tile_m,), (None,))
-            for i in cutlass.range(num_m, unroll=1):
+            i_first, i_end = self._steps_walked(g, num_m, units)
+            for i in cutlass.range(i_first, i_end, unroll=1):
                 m_block = self._q_block(n_block, m_min, num_m, i)
                 pipe_q.producer_acquire(q_state)
                 bar = pipe_q.producer_get_barrier(q_state)
@@ -673,20 +799,22 @@ class FlashAttentionBackwardSm90:
 
     # ------------------------------------------------------------------ dQ writer warp
     @cute.jit
-    def _write_dq(self, mdQ_accum, mSemaphore, sdQ, window_left, work, last: bool = True):
+    def _write_dq(self, mdQ_accum, mSemaphore, sdQ, window_left, work, last: bool = True, units=None):
         """Per Q block, add each MMA warpgroup's dQ chunk from shared memory into the global fp32
         accumulator (one bulk operation each; ``dq_parts`` of them, one per column part). A
         chunk's buffer is handed back to its warpgroup once the previous operation has read it.
         The accumulator is not zeroed beforehand: the first K/V block to reach a Q block stores
         its share (``dq_first_share``) and the others add theirs after it has landed.
         ``last``: this CTA's last K/V block (wait for the copies to read shared memory before
-        the CTA ends)."""
+        the CTA ends). Stream-K ``units``: the item's share of the Q blocks."""
         n_block, _, seq, head0, group, m_min, num_m, _, _ = work
         lane = cute.arch.lane_idx()
         part_elems = self.tile_m * self.head_dim // NUM_MMA_WARPGROUPS // self.dq_parts
-        for g in cutlass.range(group, unroll=1):
+        g_first, g_end = self._heads_walked(group, num_m, units)
+        for g in cutlass.range(g_first, g_end, unroll=1):
             head = head0 + g
-            for i in cutlass.range(num_m, unroll=1):
+            i_first, i_end = self._steps_walked(g, num_m, units)
+            for i in cutlass.range(i_first, i_end, unroll=1):
                 m_block = self._q_block(n_block, m_min, num_m, i)
                 sem = mSemaphore[seq.batch, head, None].iterator + m_block
                 turn = Int32(0)
@@ -744,12 +872,18 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def _mma(self, dkv_out, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV, mma_sdp, mma_dkv,
              mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2, window_left, window_right,
-             softcap_scale, work, states=None):
+             softcap_scale, work, states=None, units=None, piece=None):
         """One K/V block. Persistent (``states``: the pipeline states, returned advanced): K's and
-        V's stage is released once dK and dV have left their buffers."""
+        V's stage is released once dK and dV have left their buffers. Stream-K: ``units`` (first,
+        end) of the block's walk and ``piece`` (mode, first publisher, this CTA's slot, workspace,
+        flags): a PUBLISH piece leaves its partial dK and dV in the workspace, a FINISH piece
+        adds the published ones before storing."""
         n_block, head_dkv, seq, head0, group, m_min, num_m, head_kv, split = work
         mdK, mdV, split_out = dkv_out
-        tidx, wg, (wg_sdp, wg_dkv, wg_dq), (thr_sdp, thr_dkv, thr_dq) = mma_thread_slices(mma_sdp, mma_dkv, mma_dq)
+        # Stream-K: the item's mode (0-2) shifted out, a 0 that differs per item for the compiler
+        zero = 0 if const_expr(piece is None) else piece[0] >> 2
+        tidx, wg, (wg_sdp, wg_dkv, wg_dq), (thr_sdp, thr_dkv, thr_dq) = mma_thread_slices(mma_sdp, mma_dkv, mma_dq,
+                                                                                            zero=zero)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
         tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
@@ -786,20 +920,26 @@ class FlashAttentionBackwardSm90:
 
         unmasked = self._unmasked_q_blocks(n_block, seq, window_left, window_right)
         states = self._walk_q_blocks(ctx, pipe_kv, mAlibiSlopes, seq, head0, group, n_block, m_min, num_m,
-                                     softmax_scale_log2, unmasked, states)
+                                     softmax_scale_log2, unmasked, states, units)
         # (a K/V block that no query sees still stores its dK = dV = 0)
         epilogue = partial(self._epilogue, acc_dK, acc_dV, mdK, mdV, sK, sV, atom_dK, atom_dV, mma_dkv, tidx,
                            softmax_scale, n_block, head_dkv, seq)
+        write_split = None
         if const_expr(split_out[0] is not None):
-            if split:
-                # deterministic: one fp32 tile per split (stored); otherwise added into the K/V head's
-                self._write_split_dkv(acc_dK, acc_dV, split_out, sQ, sK, mma_dkv, tidx, softmax_scale, n_block,
-                                      head_dkv if const_expr(self.deterministic) else head_kv, seq)
-            else:
-                epilogue()
+            # deterministic: one fp32 tile per split (stored); otherwise added into the K/V head's
+            write_split = partial(self._write_split_dkv, acc_dK, acc_dV, split_out, sQ, sK, mma_dkv, tidx,
+                                  softmax_scale, n_block, head_dkv if const_expr(self.deterministic) else head_kv, seq)
+        if const_expr(piece is None):
+            self._store_dkv(epilogue, write_split, split)
         else:
-            epilogue()
-        if const_expr(self.persistent):
+            mode, first_publisher, slot, mStreamK, mFlags = piece
+            if mode == STREAM_K_PUBLISH:
+                self._publish_dkv(acc_dK, acc_dV, mStreamK, mFlags, slot, tidx)
+            else:
+                if mode == STREAM_K_FINISH:
+                    self._gather_dkv(acc_dK, acc_dV, mStreamK, mFlags, first_publisher, slot, tidx)
+                self._store_dkv(epilogue, write_split, split)
+        if const_expr(states is not None):
             kv_state, q_state, do_state = states
             # the dK/dV stores' issuing thread has waited for them to read K's and V's buffers
             cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.num_mma_threads)
@@ -808,20 +948,68 @@ class FlashAttentionBackwardSm90:
             return kv_state, q_state, do_state
 
     @cute.jit
+    def _store_dkv(self, epilogue, write_split, split):
+        """dK and dV out: ``write_split`` (fp32 split heads, where compiled in) for a split K/V
+        head, else ``epilogue``."""
+        if const_expr(write_split is not None):
+            if split:
+                write_split()
+            else:
+                epilogue()
+        else:
+            epilogue()
+
+    def _stream_k_slot(self, mStreamK: cute.Tensor, slot, i: int, tidx) -> cute.Tensor:
+        """This thread's share of workspace slot ``slot``'s dK (i = 0) or dV (1): 128-bit vectors
+        in the order of its accumulator registers (``dq_slot_copy``'s, over the keys x head dim)."""
+        elems = self.tile_n * self.head_dim
+        tile = cute.make_tensor(mStreamK[slot, i, None].iterator,
+                                cute.make_layout((elems // NUM_MMA_WARPGROUPS, NUM_MMA_WARPGROUPS)))
+        return dq_slot_copy(NUM_MMA_WARPGROUPS).get_slice(tidx).partition_D(tile)
+
+    @cute.jit
+    def _publish_dkv(self, acc_dK, acc_dV, mStreamK, mFlags, slot, tidx):
+        """A Stream-K PUBLISH piece: the partial dK (unscaled) and dV to this CTA's workspace slot,
+        then its flag, raised once every MMA thread's stores are visible GPU-wide."""
+        for i, acc in enumerate((acc_dK, acc_dV)):
+            dst = self._stream_k_slot(mStreamK, slot, i, tidx)
+            cute.autovec_copy(cute.make_tensor(acc.iterator, cute.make_layout(dst.shape)), dst)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.num_mma_threads)
+        if tidx == 0:
+            cute.arch.store(mFlags.iterator + slot, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def _gather_dkv(self, acc_dK, acc_dV, mStreamK, mFlags, first_publisher, slot, tidx):
+        """A Stream-K FINISH piece: add the partial dK and dV of the Stream-K CTAs first_publisher
+        ... slot - 1 (the block's earlier pieces) in that order, each once its flag is up."""
+        for p in cutlass.range(first_publisher, slot, unroll=1):
+            while cute.arch.load(mFlags.iterator + p, Int32, sem="acquire", scope="gpu") == 0:
+                pass
+            for i, acc in enumerate((acc_dK, acc_dV)):
+                src = self._stream_k_slot(mStreamK, p, i, tidx)
+                part = cute.make_rmem_tensor(src.shape, Float32)
+                cute.autovec_copy(src, part)
+                mine = cute.make_tensor(acc.iterator, cute.make_layout(src.shape))
+                mine.store(mine.load() + part.load())
+
+    @cute.jit
     def _walk_q_blocks(self, ctx, pipe_kv, mAlibiSlopes, seq, head0, group, n_block, m_min, num_m,
-                       softmax_scale_log2, unmasked, states=None):
+                       softmax_scale_log2, unmasked, states=None, units=None):
         """Once K and V are in: ``_backward_block`` on the ``num_m`` Q blocks from ``m_min`` of
         each of the ``group`` query heads of this K/V head, in ``_q_block``'s order
-        (``unmasked``: ``_unmasked_q_blocks``).
+        (``unmasked``: ``_unmasked_q_blocks``; ``units``: Stream-K's share of them, ``_heads_walked``).
         ``states``: the pipeline states to start from (persistent; returned advanced), else fresh ones."""
         kv_state, q_state, do_state = self._pipeline_states(pipeline.PipelineUserType.Consumer) \
             if const_expr(states is None) else states
         pipe_kv.consumer_wait(kv_state)
-        for g in cutlass.range(group, unroll=1):
+        g_first, g_end = self._heads_walked(group, num_m, units)
+        for g in cutlass.range(g_first, g_end, unroll=1):
             alibi_slope = None
             if const_expr(self.features.alibi):
                 alibi_slope = alibi_slope_units(mAlibiSlopes, seq.batch, head0 + g, softmax_scale_log2)
-            for i in cutlass.range(num_m, unroll=1):
+            i_first, i_end = self._steps_walked(g, num_m, units)
+            for i in cutlass.range(i_first, i_end, unroll=1):
                 self._backward_block(ctx, q_state, do_state, self._q_block(n_block, m_min, num_m, i), alibi_slope,
                                      unmasked)
                 q_state.advance()
@@ -993,7 +1181,7 @@ class FlashAttentionBackwardSm90:
         acc_dK.store(acc_dK.load() * softmax_scale)
         layout = self._split_layout()
         buffer = lambda s: cute.make_tensor(cute.recast_ptr(s.iterator, layout.inner, dtype=Float32), layout.outer)
-        at_once = const_expr(not self.persistent and (self.q_stages + self.do_stages) * self.tile_m >= 2 * self.tile_n)
+        at_once = const_expr(not (self.persistent or self.stream_k) and (self.q_stages + self.do_stages) * self.tile_m >= 2 * self.tile_n)
         tiles = ((acc_dK, atom_dK_split, mdK_split, buffer(sQ if at_once else sK)),
                  (acc_dV, atom_dV_split, mdV_split, buffer(sK)))
         copy = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64),
