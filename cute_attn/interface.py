@@ -994,13 +994,26 @@ def _scratch(shape, **kwargs) -> torch.Tensor:
     return torch.full(shape, float("nan"), **kwargs) if POISON_SCRATCH else torch.empty(shape, **kwargs)
 
 
+def _stream_k_deal(traits, q, k, num_sms: int) -> tuple[int, int]:
+    """(the blocks its Stream-K CTAs share, the (query head, Q block) steps per block) of an SM90
+    backward with Stream-K ``traits`` over dense q, k: traits.stream_k_blocks' rule, or the tests'
+    STREAM_K_BLOCKS, capped at the grid's blocks and only where every Stream-K CTA gets a step."""
+    from cute_attn.traits import stream_k_blocks
+
+    blocks = -(-k.shape[1] // traits.tile_n) * k.shape[2] * q.shape[0]
+    per_block = q.shape[2] // k.shape[2] * -(-q.shape[1] // traits.tile_m)
+    if STREAM_K_BLOCKS is None:
+        return stream_k_blocks(blocks, per_block, num_sms), per_block
+    return (min(STREAM_K_BLOCKS, blocks) if STREAM_K_BLOCKS * per_block >= num_sms else 0), per_block
+
+
 def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, max_seqlen_q: int = 0,
                        max_seqlen_k: int = 0, batch: int | None = None):
     """The pre/main/post launches for validated tensors shaped like q, k (varlen: batch 1, packed,
     and ``batch`` sequences): a function of (dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q,
     cu_seqlens_k, alibi_slopes[, seqused_k])."""
-    from cute_attn.traits import (SM90_BACKWARD_LONG_SEQLEN, STREAM_K_ROW, backward_padded_rows, stream_k_blocks,
-                                  stream_k_items, varlen_padded_rows)
+    from cute_attn.traits import (SM90_BACKWARD_LONG_SEQLEN, STREAM_K_ROW, backward_padded_rows, stream_k_items,
+                                  varlen_padded_rows)
 
     plan = dispatch.plan_for_device(q.device)
     pre, main = _backward_keys(plan, q, opts, deterministic, traits)
@@ -1046,11 +1059,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     tier = compile_mod.backward_stream_k_key(main) if sm90 and traits is None and splits == 1 else None
     candidate = cache.chosen(tier) if tier is not None else chosen
     if sm90 and splits == 1 and getattr(candidate, "stream_k", False) and candidate.tile_m == chosen.tile_m:
-        blocks = -(-k.shape[1] // candidate.tile_n) * k.shape[2] * q.shape[0]
-        per_block = heads // k.shape[2] * -(-rows_q // candidate.tile_m)
-        sk_blocks = stream_k_blocks(blocks, per_block, plan.num_sms)
-        if STREAM_K_BLOCKS is not None:  # (tests: a forced count)
-            sk_blocks = min(STREAM_K_BLOCKS, blocks) if STREAM_K_BLOCKS * per_block >= plan.num_sms else 0
+        sk_blocks, per_block = _stream_k_deal(candidate, q, k, plan.num_sms)
         if sk_blocks and tier is not None:  # (the same dQ layout: the postprocess stays)
             main, chosen = tier, candidate
     # each Stream-K CTA's items, dealt here once per launcher (traits.stream_k_items) and copied from
