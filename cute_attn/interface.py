@@ -1079,6 +1079,11 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
     no_split = torch.empty((2, 1, 1, 1, head_dim), **f32) if fp32_splits and splits == 1 else None
     ordered = sm90 and varlen and not opts.causal  # the sequences' order, longest first, per call
     sem_elems = num_seqs * heads * sem_blocks
+    # a Stream-K kernel with no block to deal out gets placeholders it never touches (as no_split)
+    sk_idle = (0, None, None, None)
+    if sm90 and chosen.stream_k and not sk_blocks:
+        sk_idle = (0, torch.empty((1, 2, chosen.tile_n * head_dim), **f32),
+                   torch.zeros(1, dtype=torch.int32, device=device), sk_items)
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k=None):
         dk_out, dv_out, dkv_split = dk, dv, no_split
@@ -1094,7 +1099,7 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
         delta = torch.empty((q.shape[0], heads, rows_pad), **f32)
         # SM80: zeroed by the preprocess; SM90: each Q block's first share is stored, not added
         dq_accum = _scratch((q.shape[0], heads, rows_pad, head_dim), **f32)
-        sk_args = ()
+        sk_args = sk_idle
         if deterministic or sm90:  # a semaphore per Q block (SM90: its first share's ticket)
             # Stream-K: then a flag per Stream-K CTA, zeroed with them, and the workspace of their dK, dV
             flags = torch.zeros(sem_elems + (plan.num_sms if sk_blocks else 0), dtype=torch.int32, device=device)
@@ -1104,9 +1109,6 @@ def _backward_launcher(q, k, opts: _Scores, deterministic: bool, traits=None, ma
                 sk_args = (sk_blocks, work, flags[sem_elems:], sk_items)
         else:
             sem = torch.empty((1, 1, 1), dtype=torch.int32, device=device)
-        if sm90 and not sk_args:  # (a Stream-K kernel with no block to deal out: placeholders)
-            sk_args = (0, None, None, None) if not chosen.stream_k else (
-                0, torch.empty((1, 2, chosen.tile_n * head_dim), **f32), sem.new_zeros(1), sk_items)
         with torch.cuda.device(device):
             kernels[0](out, dout, lse, lse_log2, delta, dq_accum, cu_seqlens_q, max_seqlen_q)
             kernels[1](q, k, v, dout, lse_log2, delta, dq_accum, dk_out, dv_out, sem, scale, scale_log2,
