@@ -1151,10 +1151,13 @@ class FlashAttnFunc(torch.autograd.Function):
                            alibi_slopes=alibi_slopes, deterministic=deterministic)
         ctx.arch = dispatch.forced_kernel()  # the backward runs in autograd's thread: force it there too
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (no zero gradient of lse built per backward call)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # (grads are not materialised: out took no part in what is differentiated)
+            return (None,) * 9
         q, k, v, out, lse = ctx.saved_tensors
         with dispatch.force_arch(ctx.arch):
             dq, dk, dv = backward(_grad_ready(dout), q, k, v, out, lse, **ctx.options)
@@ -1179,10 +1182,13 @@ class VarlenFlashAttnFunc(torch.autograd.Function):
                            alibi_slopes=alibi_slopes, seqused_k=seqused_k, deterministic=deterministic)
         ctx.arch = dispatch.forced_kernel()
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (no zero gradient of lse built per backward call)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 14
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         with dispatch.force_arch(ctx.arch):
             dq, dk, dv = varlen_backward(_grad_ready(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
@@ -1348,10 +1354,13 @@ class PackedFlashAttnFunc(torch.autograd.Function):
         ctx.lengths, ctx.options, ctx.deterministic = lengths, options, deterministic
         ctx.arch = dispatch.forced_kernel()
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # (no zero gradient of lse built per backward call)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 7
         q, packed, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         dpacked = _packed_gradient(packed)
         if q is None:

@@ -193,6 +193,56 @@ def test_compile_fullgraph_varlen_paged():
         assert out.shape == q.shape and lse.shape == (8, 100) and lse.dtype == torch.float32
 
 
+def test_autograd_builds_no_lse_gradient(monkeypatch):
+    """lse is not differentiable, so the autograd functions (eager flash_attn_func, its varlen
+    form, and the custom op's formula) turn off materialised gradients: autograd builds no zero
+    lse gradient (an allocation and a fill kernel per backward call on the GPU), and a backward
+    whose out gradient is missing returns no gradients. The kernels are replaced by fakes; the
+    ops run in the backward are logged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cute_attn import interface
+
+    monkeypatch.setattr(interface, "forward", lambda q, k, v, **kw: (q * 2, torch.randn(q.shape[0], q.shape[2],
+                                                                                      q.shape[1])))
+    monkeypatch.setattr(interface, "varlen_forward", lambda q, k, v, *a, **kw: (q * 2, torch.randn(q.shape[1],
+                                                                                                q.shape[0])))
+    monkeypatch.setattr(interface, "_prefetch_backward", lambda *a, **kw: None)
+    for name in ("backward", "varlen_backward"):
+        monkeypatch.setattr(interface, name, lambda dout, q, k, v, *a, **kw: (dout * 2, k * 1, v * 1))
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.shapes.append((str(func), tuple(out.shape)))
+            return out
+
+    q, k, v = fake_qkv()
+    cu = torch.tensor([0, 90, 180], dtype=torch.int32)
+    qv, kv, vv = (t.detach()[:, :90].reshape(180, *t.shape[2:]).requires_grad_() for t in (q, k, v))
+    entries = {
+        "autograd.Function": lambda: interface.FlashAttnFunc.apply(q, k, v, False, None, False, (-1, -1), 0.0, None),
+        "varlen autograd.Function": lambda: interface.VarlenFlashAttnFunc.apply(
+            qv, kv, vv, cu, cu, 90, 90, False, None, False, (-1, -1), 0.0, None, None),
+        "custom op": lambda: torch.ops.cute_attn.fwd(q, k, v, False, None, False),
+    }
+    for name, entry in entries.items():
+        out, lse = entry()
+        inputs = (qv, kv, vv) if name.startswith("varlen") else (q, k, v)
+        with Log() as log:
+            grads = torch.autograd.grad(out.sum(), inputs)
+        assert all(g is not None for g in grads), name
+        assert not [op for op, shape in log.shapes if shape == tuple(lse.shape)], (name, log.shapes)
+    assert interface.FlashAttnFunc.backward(None, None, None) == (None,) * 9
+    assert interface.VarlenFlashAttnFunc.backward(None, None, None) == (None,) * 14
+    assert interface.PackedFlashAttnFunc.backward(None, None, None) == (None,) * 7
+
+
 def test_backward_keeps_the_forwards_forced_arch(monkeypatch):
     """force_arch is per thread and autograd runs a CUDA backward in a thread of its own: the
     autograd functions (eager flash_attn_func and flash_attn_varlen_func, and the custom ops' autograd

@@ -71,9 +71,12 @@ def _setup_context(ctx, inputs, output):
     ctx.options = options  # causal, softmax_scale, deterministic, window_left, window_right, softcap, alibi_slopes
     ctx.arch = dispatch.forced_kernel() or ""
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # (no zero gradient of lse built per backward call)
 
 
 def _backward(ctx, dout, _dlse):
+    if dout is None:  # (grads are not materialised: out took no part in what is differentiated)
+        return (None,) * 10
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.options, arch=ctx.arch)
     needs = ctx.needs_input_grad
@@ -130,9 +133,12 @@ def _setup_varlen_context(ctx, inputs, output):
     ctx.lengths, ctx.options = (max_seqlen_q, max_seqlen_k), options
     ctx.arch = dispatch.forced_kernel() or ""
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # (no zero gradient of lse built per backward call)
 
 
 def _backward_varlen(ctx, dout, _dlse):
+    if dout is None:
+        return (None,) * 15
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv = bwd_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.lengths, *ctx.options,
                             arch=ctx.arch)
