@@ -195,7 +195,7 @@ def test_compile_fullgraph_varlen_paged():
 
 def test_autograd_builds_no_lse_gradient(monkeypatch):
     """lse is not differentiable, so the autograd functions (eager flash_attn_func, its varlen
-    form, and the custom op's formula) turn off materialised gradients: autograd builds no zero
+    form, and the custom ops' formulas) turn off materialised gradients: autograd builds no zero
     lse gradient (an allocation and a fill kernel per backward call on the GPU), and a backward
     whose out gradient is missing returns no gradients. The kernels are replaced by fakes; the
     ops run in the backward are logged."""
@@ -230,6 +230,7 @@ def test_autograd_builds_no_lse_gradient(monkeypatch):
         "varlen autograd.Function": lambda: interface.VarlenFlashAttnFunc.apply(
             qv, kv, vv, cu, cu, 90, 90, False, None, False, (-1, -1), 0.0, None, None),
         "custom op": lambda: torch.ops.cute_attn.fwd(q, k, v, False, None, False),
+        "varlen custom op": lambda: torch.ops.cute_attn.fwd_varlen(qv, kv, vv, cu, cu, 90, 90, False, None, False),
     }
     for name, entry in entries.items():
         out, lse = entry()
