@@ -290,9 +290,10 @@ def backward_tier_siblings(key) -> list:
 
 def backward_post_key(main: BackwardKey, chosen: BackwardTraits) -> RowKernelKey:
     """The postprocess for the traits the main kernel was compiled with (it reads the dQ
-    accumulator in that kernel's dQ MMA layout, which Stream-K leaves as it is)."""
+    accumulator in that kernel's dQ MMA layout, which neither Stream-K nor a persistent grid
+    changes: one postprocess serves them all)."""
     if isinstance(chosen, Sm90BackwardTraits):
-        chosen = dataclasses.replace(chosen, stream_k=False)
+        chosen = dataclasses.replace(chosen, stream_k=False, persistent=False)
     return RowKernelKey("bwd_post", main.target, main.dtype, main.head_dim, main.check_hdim, chosen,
                         varlen=main.features.varlen)
 
@@ -446,8 +447,10 @@ def sm90_split_dkv_fp32(traits: Sm90BackwardTraits) -> bool:
     rounded once on the host. Not the large head dims' kernel (dK^T, dV^T accumulators,
     backward_large.py) nor the persistent grids (d32/d64 non-causal, which never split by the
     rule: with the fp32 path compiled in, the d64 one spilled and fell back to one CTA per K/V
-    block, 4-7% slower): those write split heads per split in the input dtype."""
-    return not traits.swap_dkv and not traits.persistent
+    block, 4-7% slower): those write split heads per split in the input dtype. A persistent
+    Stream-K grid (never split: Stream-K runs with one split) takes the fp32 placeholder as the
+    one-CTA-per-block kernel it is a tier of does."""
+    return not traits.swap_dkv and (not traits.persistent or traits.stream_k)
 
 
 def _fake_sm90_backward_args(key: "BackwardKey", traits: Sm90BackwardTraits) -> tuple:

@@ -460,8 +460,9 @@ class Sm90BackwardTraits:
     # swap_dkv: each warpgroup's dQ computed and staged in this many column parts (1 or 2): half
     # the fp32 staging buffer, so that d256 fits 64 keys beside two Q stages
     dq_parts: int = 1
-    # plain non-causal, one CTA per K/V block: the grid's last round dealt out Stream-K style
-    # (stream_k_items below; how many blocks: ``stream_k_blocks``, a run-time value)
+    # plain non-causal: the grid's last round dealt out Stream-K style (stream_k_items below; how
+    # many blocks: ``stream_k_blocks``, a run-time value); with ``persistent``, each CTA takes its
+    # Stream-K share after its whole blocks, else Stream-K CTAs come after one CTA per block
     stream_k: bool = False
 
     @property
@@ -553,8 +554,13 @@ SM90_BACKWARD_LONG_SEQLEN = 8192
 # (``stream_k_items``). Built together with the table's kernel, so a new length never
 # compiles. H100, 2026-11-27, beside the same kernel without it (alternating bursts, 16k tokens):
 # backward +3.9% / +1.3% / +1.0% at S 4096 / 8192 / 16384, forward+backward +1.7% / +0.4% / +1.1%
-# (docs/performance.md, "Stream-K as a tier").
-SM90_BACKWARD_STREAM_K = {128: _B(128, tile_m=80, stream_k=True)}
+# (docs/performance.md, "Stream-K as a tier"). On a persistent grid ('pk': one CTA per SM walks its
+# whole blocks j, j + 132, ... and then its Stream-K share, a block's start overlapping the previous
+# one's end): backward +2.4% / +1.0% / +0.7% at S 4096 / 8192 / 16384 over the one-CTA-per-block
+# Stream-K kernel (H100, 2026-11-27, 16 alternating rounds, 13 / 11 / 12 won; dK and dV bitwise
+# equal); without blocks to deal out (below S 4096) the persistent grid measured -1.5..-4% (S
+# 512-2048), so the tier stays where the rule deals (docs/performance.md, "A persistent Stream-K tier").
+SM90_BACKWARD_STREAM_K = {128: _B(128, tile_m=80, persistent=True, stream_k=True)}
 # Stream-K where the SMs the last round leaves idle would otherwise wait this many units (a query
 # head's Q block each) per SM: below it the cut blocks' fp32 round trip and the waits cost more
 # than the idle SMs (the ninth session's rule, 24 x 132 units on H100: d128 from S 4096 at 16k tokens)
@@ -563,8 +569,8 @@ STREAM_K_MIN_IDLE_UNITS = 24
 
 # The deal (host side, plain ints; the kernel reads a Stream-K CTA's row of ``stream_k_items``). The
 # blocks are numbered as the grid orders them and cut into units of one (query head, Q block) step
-# each, ``units_per_block`` per block. The last ``sk_blocks`` go to ``ctas`` CTAs launched after the
-# others (a CTA per block), CTA j taking units [j U / ctas, (j + 1) U / ctas) of those U, so each
+# each, ``units_per_block`` per block. The last ``sk_blocks`` go to ``ctas`` CTAs (persistent: the
+# grid's CTAs, after their whole blocks; else CTAs launched after one CTA per block), CTA j taking units [j U / ctas, (j + 1) U / ctas) of those U, so each
 # takes 1-2 blocks' worth, in at most three items:
 # - PUBLISH: the start of the last block it touches (it ends mid-block): its fp32 dK and dV, a
 #   partial sum, go to a workspace slot of the CTA's own and a flag is raised;
@@ -572,7 +578,8 @@ STREAM_K_MIN_IDLE_UNITS = 24
 # - FINISH: the end of the first block it touches (it starts mid-block): it adds the slots of the
 #   lower-numbered CTAs that published pieces of that block, in their order, and stores dK and dV.
 # Publishing comes first and finishing last, and a CTA waits only on lower numbers, which the
-# hardware launched before it: no wait can block a CTA that is needed to end it. dQ needs nothing:
+# hardware launched before it (persistent: every CTA is resident, one per SM): no wait can block a
+# CTA that is needed to end it. dQ needs nothing:
 # every (K/V block, Q block) pair is still visited once and its share added as always.
 STREAM_K_WHOLE, STREAM_K_PUBLISH, STREAM_K_FINISH = 0, 1, 2
 STREAM_K_MAX_ITEMS = 3  # a CTA's units span less than two blocks (stream_k_blocks deals P + r of them)

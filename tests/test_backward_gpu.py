@@ -86,12 +86,14 @@ def test_long_causal_backward_tier(arch, seqlen_q, seqlen_k, heads, monkeypatch)
     (1, 4000, 3000, (6, 2), 20),  # a CTA per block first, then the Stream-K CTAs; seqlen_q > seqlen_k
     (2, 17, 1000, (32, 8), 100),  # one Q block per query head
     (1, 1001, 4097, (4, 4), 40),  # odd lengths: the last K/V block holds one key
+    (2, 2048, 2048, (16, 8), 50),  # 206 whole blocks over the 132 SMs' CTAs: 1 or 2 each, then Stream-K
     (4, 4096, 4096, (16, 16), None),  # the rule's own count (traits.stream_k_blocks: 200 of 2048)
 ])
 def test_stream_k_backward(arch, monkeypatch, batch, seqlen_q, seqlen_k, heads, blocks):
-    """d128 plain non-causal on the SM90 backward's Stream-K tier (traits.stream_k_items), with
-    forced block counts (interface.STREAM_K_BLOCKS) and the rule's: against the fp32 reference;
-    dk and dv bitwise equal between calls (a cut block's partials are added in a fixed order)."""
+    """d128 plain non-causal on the SM90 backward's Stream-K tier (traits.stream_k_items; a
+    persistent grid, each CTA's whole blocks before its Stream-K share), with forced block counts
+    (interface.STREAM_K_BLOCKS) and the rule's: against the fp32 reference; dk and dv bitwise
+    equal between calls (a cut block's partials are added in a fixed order)."""
     from cute_attn import interface, traits
 
     if arch != "sm90":

@@ -206,7 +206,7 @@ def test_sm90_backward_stream_k_tier_builds_together():
     _, main = backward_keys("sm_90a", "bf16", 128, False, False, kernel="sm90")
     tier = backward_stream_k_key(main)
     assert tier.candidates[0] == SM90_BACKWARD_STREAM_K[128] and tier.candidates[0].stream_k
-    assert tier.candidates[0].spec == "m80n128s2k" and not SM90_BACKWARD[128][False].stream_k
+    assert tier.candidates[0].spec == "m80n128s2pk" and not SM90_BACKWARD[128][False].stream_k
     post = backward_post_key(main, main.candidates[0])
     assert backward_post_key(tier, tier.candidates[0]) == post  # Stream-K leaves dQ's layout alone
     for first in (main, tier):

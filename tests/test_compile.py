@@ -103,7 +103,7 @@ BWD_SUBSET = [  # (head_dim, dtype, causal, deterministic): with the SM90 kernel
     (72, "bf16", True, False),
     (32, "bf16", True, True),
     (64, "fp16", False, False),  # the persistent grid
-    (128, "bf16", False, False),  # d128 non-causal with its Stream-K tier (m80n128s2k)
+    (128, "bf16", False, False),  # d128 non-causal with its persistent Stream-K tier (m80n128s2pk)
 ]
 
 

@@ -20,7 +20,9 @@ the grid is 1-D: a CTA per K/V block but the last ``stream_k_blocks``, then ``nu
 share those blocks' (query head, Q block) steps as 1-3 items each (traits.stream_k_items, dealt on
 the host): a piece that starts a cut block publishes its fp32 dK, dV partials to a workspace slot
 and raises a flag; the piece that ends it adds the published ones (``_stream_k_roles``). The
-grid's last round then keeps every SM busy instead of leaving some idle.
+grid's last round then keeps every SM busy instead of leaving some idle. With ``persistent`` too
+(the tier traits.SM90_BACKWARD_STREAM_K) the grid is ``num_sms`` CTAs and CTA j walks the whole
+blocks j, j + num_sms, ... before the Stream-K ones, then Stream-K CTA j's items.
 Per Q block, recomputing attention from the saved LSE:
 
     S^T  = K Q^T,  P^T = exp2(S^T * scale_log2 - LSE_log2)    (masked on the diagonal / seqlen_k end)
@@ -247,11 +249,13 @@ class FlashAttentionBackwardSm90:
         # the previous one's end; K and V wait for the previous dK and dV to leave their buffers
         assert not (persistent and deterministic), "persistent: not deterministic"
         self.persistent = persistent
-        # Stream-K (plain non-causal, one CTA per K/V block): the grid's last ``stream_k_blocks``
-        # blocks dealt out over ``num_sms`` more CTAs (traits.stream_k_items); every CTA walks its
-        # items, its pipeline states carried from one to the next as in a persistent grid
-        assert not stream_k or not (causal or deterministic or persistent or features != NO_FEATURES), \
-            "Stream-K: plain non-causal, one CTA per K/V block"
+        # Stream-K (plain non-causal): the grid's last ``stream_k_blocks`` blocks dealt out over
+        # ``num_sms`` more CTAs after one CTA per K/V block (traits.stream_k_items); every CTA walks
+        # its items, its pipeline states carried from one to the next as in a persistent grid.
+        # With ``persistent`` as well, the grid is one CTA per SM: CTA j walks the whole blocks j,
+        # j + grid, ... before the Stream-K ones, then Stream-K CTA j's items
+        assert not stream_k or not (causal or deterministic or features != NO_FEATURES), \
+            "Stream-K: plain non-causal"
         self.stream_k = stream_k
         self.num_mma_threads = NUM_MMA_WARPGROUPS * WARPGROUP_THREADS
         self.num_threads = self.num_mma_threads + WARPGROUP_THREADS
@@ -388,7 +392,9 @@ class FlashAttentionBackwardSm90:
         grid = (num_n_blocks, cute.size(mK.shape[2]) * head_splits, cute.size(num_batches))
         if const_expr(self.persistent):
             grid = (cutlass.min(num_n_blocks * mK.shape[2] * head_splits * num_batches, num_sms), 1, 1)
-        if const_expr(self.stream_k):  # a 1-D grid: a CTA per block before the Stream-K ones, then num_sms
+            if const_expr(self.stream_k):  # every Stream-K CTA where blocks are dealt out
+                grid = (cutlass.max(grid[0], cutlass.min(stream_k_blocks, 1) * num_sms), 1, 1)
+        if const_expr(self.stream_k and not self.persistent):  # 1-D: a CTA per block before the Stream-K ones, then num_sms
             grid = (num_n_blocks * mK.shape[2] * head_splits * num_batches - stream_k_blocks
                     + cutlass.min(stream_k_blocks, 1) * num_sms, 1, 1)
         self.kernel(
@@ -513,10 +519,11 @@ class FlashAttentionBackwardSm90:
             mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale, softmax_scale_log2,
             window_left, window_right, softcap_scale,
         )
-        if const_expr(self.persistent):
+        if const_expr(self.persistent and not self.stream_k):
             self._persistent_roles(*role_args, work_of, grid_shape)
         elif const_expr(self.stream_k):
-            self._stream_k_roles(*role_args, work_of, grid_shape, sItems, mStreamK, mStreamKFlags)
+            self._stream_k_roles(*role_args, work_of, grid_shape, sItems, mStreamK, mStreamKFlags,
+                                  stream_k_blocks)
         else:
             work = self._work(mQ, mK, q_rows, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, window_left, window_right,
                               cute.arch.block_idx(), cute.arch.grid_dim(), head_splits=head_splits,
@@ -577,58 +584,108 @@ class FlashAttentionBackwardSm90:
     @cute.jit
     def _stream_k_table(self, sItems, mStreamKItems, work_of, grid_shape, stream_k_blocks: Int32):
         """Thread 0 of a Stream-K kernel: this CTA's items into ``sItems`` (traits.STREAM_K_ROW
-        ints), which every role reads back: a CTA before the Stream-K ones has one, its block
-        whole; Stream-K CTA j copies row j of ``mStreamKItems`` (traits.stream_k_items, dealt
-        on the host), its blocks renumbered from the grid's first."""
+        ints), which every role reads back. One CTA per K/V block: a CTA before the Stream-K ones
+        has one, its block whole; Stream-K CTA j copies row j of ``mStreamKItems``
+        (traits.stream_k_items, dealt on the host), its blocks renumbered from the grid's first.
+        Persistent: CTA j copies row j where blocks are dealt out (its whole blocks come before,
+        ``_stream_k_whole``), else has none."""
         num_n, heads_kv, batches = grid_shape
         first_sk = num_n * heads_kv * batches - stream_k_blocks
         cta = cute.arch.block_idx()[0]
-        if cta < first_sk:
-            _, _, _, _, group, _, num_m, _, _ = work_of((Int32(0), Int32(0), Int32(0)), grid_shape)
-            # (no Q block at all: one empty unit, so dK = dV = 0 still go out)
-            for f, value in enumerate((1, 0, cta, 0, cutlass.max(group * num_m, 1), STREAM_K_WHOLE, 0)):
-                sItems[f] = Int32(value)
+        if const_expr(self.persistent):
+            sItems[0] = Int32(0)
+            sItems[1] = cta
+            if stream_k_blocks > 0:
+                self._copy_stream_k_row(sItems, mStreamKItems, cta, first_sk)
         else:
-            for f in cutlass.range_constexpr(STREAM_K_ROW):
-                sItems[f] = mStreamKItems[cta - first_sk, f]
-            for k in cutlass.range_constexpr((STREAM_K_ROW - 2) // STREAM_K_ITEM_FIELDS):
-                sItems[2 + STREAM_K_ITEM_FIELDS * k] = sItems[2 + STREAM_K_ITEM_FIELDS * k] + first_sk
+            if cta < first_sk:
+                _, _, _, _, group, _, num_m, _, _ = work_of((Int32(0), Int32(0), Int32(0)), grid_shape)
+                # (no Q block at all: one empty unit, so dK = dV = 0 still go out)
+                for f, value in enumerate((1, 0, cta, 0, cutlass.max(group * num_m, 1), STREAM_K_WHOLE, 0)):
+                    sItems[f] = Int32(value)
+            else:
+                self._copy_stream_k_row(sItems, mStreamKItems, cta - first_sk, first_sk)
 
     @cute.jit
-    def _stream_k_item(self, sItems, work_of, grid_shape, k: Int32):
-        """Item ``k`` of ``sItems``: (work, its units (first, end) in the block, (mode, first
-        publisher, this CTA's slot))."""
+    def _copy_stream_k_row(self, sItems, mStreamKItems, row, first_sk):
+        """Row ``row`` of ``mStreamKItems`` into ``sItems``, its blocks numbered from the grid's first."""
+        for f in cutlass.range_constexpr(STREAM_K_ROW):
+            sItems[f] = mStreamKItems[row, f]
+        for k in cutlass.range_constexpr((STREAM_K_ROW - 2) // STREAM_K_ITEM_FIELDS):
+            sItems[2 + STREAM_K_ITEM_FIELDS * k] = sItems[2 + STREAM_K_ITEM_FIELDS * k] + first_sk
+
+    @cute.jit
+    def _stream_k_whole(self, work_of, grid_shape, stream_k_blocks: Int32):
+        """Persistent Stream-K: (the whole blocks this CTA walks before its items, its first, the
+        grid's size, a block's units): blocks j, j + grid, ... below the first Stream-K block."""
+        num_n, heads_kv, batches = grid_shape
+        first_sk = num_n * heads_kv * batches - stream_k_blocks
+        first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+        _, _, _, _, group, _, num_m, _, _ = work_of((Int32(0), Int32(0), Int32(0)), grid_shape)
+        return (cutlass.max(first_sk - first + stride - 1, 0) // stride, first, stride,
+                cutlass.max(group * num_m, 1))
+
+    @cute.jit
+    def _stream_k_count(self, sItems, work_of, grid_shape, stream_k_blocks: Int32):
+        """(``_stream_k_whole``'s tuple or None, the CTA's items in all)."""
+        if const_expr(self.persistent):
+            whole = self._stream_k_whole(work_of, grid_shape, stream_k_blocks)
+            return whole, whole[0] + sItems[0]
+        return None, sItems[0]
+
+    @cute.jit
+    def _stream_k_item(self, sItems, work_of, grid_shape, whole, k: Int32):
+        """Item ``k`` of the CTA (``whole``: ``_stream_k_whole``'s whole blocks first, or None):
+        (work, its units (first, end) in the block, (mode, first publisher, this CTA's slot))."""
         num_n, heads_kv, _ = grid_shape
-        row = 2 + STREAM_K_ITEM_FIELDS * k
-        work = work_of(self._grid_coords(sItems[row], num_n, heads_kv), grid_shape)
-        return work, (sItems[row + 1], sItems[row + 2]), (sItems[row + 3], sItems[row + 4], sItems[1])
+        if const_expr(whole is None):
+            row = 2 + STREAM_K_ITEM_FIELDS * k
+            work = work_of(self._grid_coords(sItems[row], num_n, heads_kv), grid_shape)
+            return work, (sItems[row + 1], sItems[row + 2]), (sItems[row + 3], sItems[row + 4], sItems[1])
+        else:
+            n_whole, first, stride, units = whole
+            row = 2 + STREAM_K_ITEM_FIELDS * cutlass.max(k - n_whole, 0)
+            block, lo, hi, mode, first_publisher = (sItems[row + f] for f in range(STREAM_K_ITEM_FIELDS))
+            if k < n_whole:
+                block, lo, hi, mode, first_publisher = first + k * stride, Int32(0), units, \
+                    Int32(STREAM_K_WHOLE), Int32(0)
+            work = work_of(self._grid_coords(block, num_n, heads_kv), grid_shape)
+            return work, (lo, hi), (mode, first_publisher, sItems[1])
 
     @cute.jit
     def _stream_k_roles(self, warp_idx, mQ, mK, mV, mdO, dkv_out, mLSE_log2, mD, mdQ_accum, mSemaphore,
                         mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_Q, atom_K, atom_V, atom_dO, atom_dK,
                         atom_dV, mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
                         softmax_scale_log2, window_left, window_right, softcap_scale, work_of, grid_shape, sItems,
-                        mStreamK, mStreamKFlags):
-        """The roles of a Stream-K kernel: each walks the CTA's items (``_stream_k_table``), its
-        pipeline states carried from one to the next as in a persistent grid."""
-        item = partial(self._stream_k_item, sItems, work_of, grid_shape)
+                        mStreamK, mStreamKFlags, stream_k_blocks):
+        """The roles of a Stream-K kernel: each walks the CTA's items (``_stream_k_table``;
+        persistent: its whole blocks first), its pipeline states carried from one to the next as
+        in a persistent grid."""
+        # (each role computes its item count after its setmaxnreg: the producer's registers are few)
+        items = partial(self._stream_k_count, sItems, work_of, grid_shape, stream_k_blocks)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp_idx == 0:
+                whole, count = items()
+                item = partial(self._stream_k_item, sItems, work_of, grid_shape, whole)
                 states = self._pipeline_states(pipeline.PipelineUserType.Producer)
-                for k in cutlass.range(sItems[0], unroll=1):
+                for k in cutlass.range(count, unroll=1):
                     work, units, _ = item(k)
                     states = self._produce(mQ, mK, mV, mdO, mLSE_log2, mD, sQ, sK, sV, sdO, sLSE, sD, atom_Q, atom_K,
                                            atom_V, atom_dO, pipe_kv, pipe_q, pipe_do, work, states, units)
             if warp_idx == 1:
-                for k in cutlass.range(sItems[0], unroll=1):
+                whole, count = items()
+                item = partial(self._stream_k_item, sItems, work_of, grid_shape, whole)
+                for k in cutlass.range(count, unroll=1):
                     work, units, _ = item(k)
                     self._write_dq(mdQ_accum, mSemaphore, sdQ, window_left, work, last=False, units=units)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
             cute.arch.setmaxregister_increase(MMA_REGISTERS)
+            whole, count = items()
+            item = partial(self._stream_k_item, sItems, work_of, grid_shape, whole)
             states = self._pipeline_states(pipeline.PipelineUserType.Consumer)
-            for k in cutlass.range(sItems[0], unroll=1):
+            for k in cutlass.range(count, unroll=1):
                 work, units, piece = item(k)
                 states = self._mma(dkv_out, mAlibiSlopes, sQ, sK, sV, sdO, sdS, sLSE, sD, sdQ, atom_dK, atom_dV,
                                    mma_sdp, mma_dkv, mma_dq, pipe_kv, pipe_q, pipe_do, softmax_scale,
@@ -1018,12 +1075,14 @@ class FlashAttentionBackwardSm90:
 
     @property
     def staggered(self) -> bool:
-        """Plain non-causal, one CTA per K/V block, not deterministic: each K/V block's walk starts
-        at its own Q block (``_q_block``). H100, 2026-11-26, S 512-16384 beside the same kernels
-        walking from Q block 0: d128 +1..+9% (one row, S 4096, -3..-5%), d256 +2..+10% (walking
-        from 0, the unzeroed accumulator cost d256 up to 6%: docs/performance.md); the persistent
-        d64 grid measured -2..-4% at S 512/1024 with it, level beyond, and walks from 0."""
-        return not self.causal and not self.deterministic and not self.features.local and not self.persistent
+        """Plain non-causal, one CTA per K/V block (or persistent Stream-K, the d128 tier), not
+        deterministic: each K/V block's walk starts at its own Q block (``_q_block``). H100,
+        2026-11-26, S 512-16384 beside the same kernels walking from Q block 0: d128 +1..+9% (one
+        row, S 4096, -3..-5%), d256 +2..+10% (walking from 0, the unzeroed accumulator cost d256
+        up to 6%: docs/performance.md); the persistent d64 grid measured -2..-4% at S 512/1024 with
+        it, level beyond, and walks from 0."""
+        return (not self.causal and not self.deterministic and not self.features.local
+                and (not self.persistent or self.stream_k))
 
     @cute.jit
     def _q_block(self, n_block: Int32, m_min: Int32, num_m: Int32, i: Int32) -> Int32:
