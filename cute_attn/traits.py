@@ -551,7 +551,7 @@ SM90_BACKWARD_LONG_SEQLEN = 8192
 
 # d128 plain non-causal (no window, softcap, ALiBi or varlen; not deterministic, no head splits)
 # where ``stream_k_blocks`` deals out the grid's last round: the table's kernel with Stream-K
-# (``stream_k_items``). Built together with the table's kernel, so a new length never
+# (``stream_k_items``), on a persistent grid (below). Built together with the table's kernel, so a new length never
 # compiles. H100, 2026-11-27, beside the same kernel without it (alternating bursts, 16k tokens):
 # backward +3.9% / +1.3% / +1.0% at S 4096 / 8192 / 16384, forward+backward +1.7% / +0.4% / +1.1%
 # (docs/performance.md, "Stream-K as a tier"). On a persistent grid ('pk': one CTA per SM walks its
@@ -570,8 +570,9 @@ STREAM_K_MIN_IDLE_UNITS = 24
 # The deal (host side, plain ints; the kernel reads a Stream-K CTA's row of ``stream_k_items``). The
 # blocks are numbered as the grid orders them and cut into units of one (query head, Q block) step
 # each, ``units_per_block`` per block. The last ``sk_blocks`` go to ``ctas`` CTAs (persistent: the
-# grid's CTAs, after their whole blocks; else CTAs launched after one CTA per block), CTA j taking units [j U / ctas, (j + 1) U / ctas) of those U, so each
-# takes 1-2 blocks' worth, in at most three items:
+# grid's CTAs, after their whole blocks; else CTAs launched after one CTA per block), CTA j taking
+# units [j U / ctas, (j + 1) U / ctas) of those U, so each takes 1-2 blocks' worth, in at most
+# three items:
 # - PUBLISH: the start of the last block it touches (it ends mid-block): its fp32 dK and dV, a
 #   partial sum, go to a workspace slot of the CTA's own and a flag is raised;
 # - whole blocks (WHOLE), as every other CTA computes them;
@@ -579,8 +580,8 @@ STREAM_K_MIN_IDLE_UNITS = 24
 #   lower-numbered CTAs that published pieces of that block, in their order, and stores dK and dV.
 # Publishing comes first and finishing last, and a CTA waits only on lower numbers, which the
 # hardware launched before it (persistent: every CTA is resident, one per SM): no wait can block a
-# CTA that is needed to end it. dQ needs nothing:
-# every (K/V block, Q block) pair is still visited once and its share added as always.
+# CTA that is needed to end it. dQ needs nothing: every (K/V block, Q block) pair is still visited
+# once and its share added as always.
 STREAM_K_WHOLE, STREAM_K_PUBLISH, STREAM_K_FINISH = 0, 1, 2
 STREAM_K_MAX_ITEMS = 3  # a CTA's units span less than two blocks (stream_k_blocks deals P + r of them)
 STREAM_K_ITEM_FIELDS = 5  # block, first unit, end unit (in the block), mode, first publisher
