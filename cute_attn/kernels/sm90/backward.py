@@ -588,7 +588,7 @@ class FlashAttentionBackwardSm90:
         has one, its block whole; Stream-K CTA j copies row j of ``mStreamKItems``
         (traits.stream_k_items, dealt on the host), its blocks renumbered from the grid's first.
         Persistent: CTA j copies row j where blocks are dealt out (its whole blocks come before,
-        ``_stream_k_whole``), else has none."""
+        ``_stream_k_count``), else has none."""
         num_n, heads_kv, batches = grid_shape
         first_sk = num_n * heads_kv * batches - stream_k_blocks
         cta = cute.arch.block_idx()[0]
@@ -599,9 +599,8 @@ class FlashAttentionBackwardSm90:
                 self._copy_stream_k_row(sItems, mStreamKItems, cta, first_sk)
         else:
             if cta < first_sk:
-                _, _, _, _, group, _, num_m, _, _ = work_of((Int32(0), Int32(0), Int32(0)), grid_shape)
-                # (no Q block at all: one empty unit, so dK = dV = 0 still go out)
-                for f, value in enumerate((1, 0, cta, 0, cutlass.max(group * num_m, 1), STREAM_K_WHOLE, 0)):
+                units = self._block_units(work_of, grid_shape)
+                for f, value in enumerate((1, 0, cta, 0, units, STREAM_K_WHOLE, 0)):
                     sItems[f] = Int32(value)
             else:
                 self._copy_stream_k_row(sItems, mStreamKItems, cta - first_sk, first_sk)
@@ -615,27 +614,29 @@ class FlashAttentionBackwardSm90:
             sItems[2 + STREAM_K_ITEM_FIELDS * k] = sItems[2 + STREAM_K_ITEM_FIELDS * k] + first_sk
 
     @cute.jit
-    def _stream_k_whole(self, work_of, grid_shape, stream_k_blocks: Int32):
-        """Persistent Stream-K: (the whole blocks this CTA walks before its items, its first, the
-        grid's size, a block's units): blocks j, j + grid, ... below the first Stream-K block."""
-        num_n, heads_kv, batches = grid_shape
-        first_sk = num_n * heads_kv * batches - stream_k_blocks
-        first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+    def _block_units(self, work_of, grid_shape):
+        """A whole K/V block's Stream-K units (query heads x Q blocks: alike for every block of a
+        plain non-causal grid); a block no Q block sees gets one empty unit, so that dK = dV = 0
+        still go out."""
         _, _, _, _, group, _, num_m, _, _ = work_of((Int32(0), Int32(0), Int32(0)), grid_shape)
-        return (cutlass.max(first_sk - first + stride - 1, 0) // stride, first, stride,
-                cutlass.max(group * num_m, 1))
+        return cutlass.max(group * num_m, 1)
 
     @cute.jit
     def _stream_k_count(self, sItems, work_of, grid_shape, stream_k_blocks: Int32):
-        """(``_stream_k_whole``'s tuple or None, the CTA's items in all)."""
+        """(whole, the CTA's items in all). Persistent: ``whole`` = (the whole blocks j, j + grid,
+        ... below the first Stream-K block that CTA j walks before its items, j, the grid's size,
+        a block's units); else None (a CTA before the Stream-K ones has its block as an item)."""
         if const_expr(self.persistent):
-            whole = self._stream_k_whole(work_of, grid_shape, stream_k_blocks)
-            return whole, whole[0] + sItems[0]
+            num_n, heads_kv, batches = grid_shape
+            first_sk = num_n * heads_kv * batches - stream_k_blocks
+            first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+            n_whole = cutlass.max(first_sk - first + stride - 1, 0) // stride
+            return (n_whole, first, stride, self._block_units(work_of, grid_shape)), n_whole + sItems[0]
         return None, sItems[0]
 
     @cute.jit
     def _stream_k_item(self, sItems, work_of, grid_shape, whole, k: Int32):
-        """Item ``k`` of the CTA (``whole``: ``_stream_k_whole``'s whole blocks first, or None):
+        """Item ``k`` of the CTA (``whole``: ``_stream_k_count``'s whole blocks first, or None):
         (work, its units (first, end) in the block, (mode, first publisher, this CTA's slot))."""
         num_n, heads_kv, _ = grid_shape
         if const_expr(whole is None):
